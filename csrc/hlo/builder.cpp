@@ -1,0 +1,536 @@
+#include "hlo/builder.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "pjrt/error.h"
+
+namespace torch_pjrt::hlo {
+namespace {
+
+std::string join(const Dims& dims, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) out += sep;
+    out += std::to_string(dims[i]);
+  }
+  return out;
+}
+
+std::string list(const Dims& dims) { return "[" + join(dims, ", ") + "]"; }
+
+// Bit pattern of `v` in a floating type, so constants are exact in text form.
+uint64_t float_bits(double v, ElementType t) {
+  if (t == ElementType::F64) {
+    uint64_t b;
+    std::memcpy(&b, &v, 8);
+    return b;
+  }
+  float f = static_cast<float>(v);
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if (t == ElementType::F32) return b;
+  if (t == ElementType::BF16) {
+    if (std::isnan(f)) return 0x7FC0;
+    uint32_t rounding = 0x7FFF + ((b >> 16) & 1);  // round to nearest even
+    return (b + rounding) >> 16;
+  }
+  // F16 from float, round to nearest even.
+  uint32_t sign = (b >> 16) & 0x8000;
+  if (std::isnan(f)) return sign | 0x7E00;
+  float a = std::fabs(f);
+  if (a >= 65520.0f) return sign | 0x7C00;
+  if (a < 6.103515625e-05f) {  // subnormal half
+    uint32_t m = static_cast<uint32_t>(std::nearbyint(a * 16777216.0f));  // a / 2^-24
+    return sign | m;
+  }
+  uint32_t exp = ((b >> 23) & 0xFF) - 127 + 15;
+  uint32_t mant = b & 0x7FFFFF;
+  uint32_t half = (exp << 10) | (mant >> 13);
+  uint32_t rest = mant & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;
+  return sign | half;
+}
+
+std::string float_literal(double v, ElementType t) {
+  std::ostringstream os;
+  os << "0x" << std::hex << std::uppercase << float_bits(v, t);
+  return os.str();
+}
+
+std::string padding_attr(const Dims& low, const Dims& high) {
+  std::string s = "dense<[";
+  for (size_t i = 0; i < low.size(); ++i) {
+    if (i) s += ", ";
+    s += "[" + std::to_string(low[i]) + ", " + std::to_string(high[i]) + "]";
+  }
+  s += "]> : tensor<" + std::to_string(low.size()) + "x2xi64>";
+  return s;
+}
+
+const char* direction_name(Compare c) {
+  switch (c) {
+    case Compare::EQ: return "EQ";
+    case Compare::NE: return "NE";
+    case Compare::LT: return "LT";
+    case Compare::LE: return "LE";
+    case Compare::GT: return "GT";
+    case Compare::GE: return "GE";
+  }
+  return "EQ";
+}
+
+std::string compare_attr(Compare c) {
+  return std::string("{comparison_direction = #stablehlo<comparison_direction ") + direction_name(c) + ">}";
+}
+
+Dims ones(size_t n) { return Dims(n, 1); }
+
+}  // namespace
+
+int64_t TensorType::element_count() const {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
+std::string TensorType::str() const {
+  std::string s = "tensor<";
+  for (int64_t d : dims) s += std::to_string(d) + "x";
+  s += mlir_name(element);
+  return s + ">";
+}
+
+std::string dims_attr(const Dims& dims) {
+  return dims.empty() ? "array<i64>" : "array<i64: " + join(dims, ", ") + ">";
+}
+
+Value Builder::parameter(TensorType type) {
+  Value v{"%arg" + std::to_string(params_.size()), type};
+  params_.push_back(std::move(type));
+  return v;
+}
+
+Value Builder::emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
+                    TensorType result, const std::string& region) {
+  return emit_multi(op, operands, attributes, {std::move(result)}, region)[0];
+}
+
+std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Value>& operands,
+                                       const std::string& attributes, const std::vector<TensorType>& results,
+                                       const std::string& region) {
+  std::string name = "%v" + std::to_string(next_id_++);
+  std::string line = "    " + name;
+  if (results.size() > 1) line += ":" + std::to_string(results.size());
+  line += " = \"stablehlo.";
+  line += op;
+  line += "\"(";
+  std::string operand_types;
+  for (size_t i = 0; i < operands.size(); ++i) {
+    if (i) {
+      line += ", ";
+      operand_types += ", ";
+    }
+    line += operands[i].name;
+    operand_types += operands[i].type.str();
+  }
+  line += ")";
+  if (!region.empty()) line += " (" + region + ")";
+  if (!attributes.empty()) line += " " + attributes;
+  line += " : (" + operand_types + ") -> ";
+  if (results.size() == 1) {
+    line += results[0].str();
+  } else {
+    line += "(";
+    for (size_t i = 0; i < results.size(); ++i) line += (i ? ", " : "") + results[i].str();
+    line += ")";
+  }
+  body_ += line + "\n";
+  std::vector<Value> values;
+  if (results.size() == 1) return {Value{name, results[0]}};
+  for (size_t k = 0; k < results.size(); ++k) values.push_back(Value{name + "#" + std::to_string(k), results[k]});
+  return values;
+}
+
+Value Builder::constant(double value, ElementType type, const Dims& dims) {
+  if (!is_float(type)) {
+    if (type == ElementType::Pred) return constant_bool(value != 0, dims);
+    return constant_int(static_cast<int64_t>(value), type, dims);
+  }
+  TensorType t{type, dims};
+  return emit("constant", {}, "{value = dense<" + float_literal(value, type) + "> : " + t.str() + "}", t);
+}
+
+Value Builder::constant_int(int64_t value, ElementType type, const Dims& dims) {
+  if (is_float(type)) return constant(static_cast<double>(value), type, dims);
+  if (type == ElementType::Pred) return constant_bool(value != 0, dims);
+  TensorType t{type, dims};
+  std::string literal = is_unsigned(type) ? std::to_string(static_cast<uint64_t>(value)) : std::to_string(value);
+  return emit("constant", {}, "{value = dense<" + literal + "> : " + t.str() + "}", t);
+}
+
+Value Builder::constant_bool(bool value, const Dims& dims) {
+  TensorType t{ElementType::Pred, dims};
+  return emit("constant", {}, std::string("{value = dense<") + (value ? "true" : "false") + "> : " + t.str() + "}", t);
+}
+
+Value Builder::iota(TensorType type, int64_t dimension) {
+  return emit("iota", {}, "{iota_dimension = " + std::to_string(dimension) + " : i64}", type);
+}
+
+Value Builder::unary(std::string_view op, Value x) { return emit(op, {x}, "", x.type); }
+
+Value Builder::binary(std::string_view op, Value a, Value b) {
+  PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
+  return emit(op, {a, b}, "", a.type);
+}
+
+Value Builder::compare(Value a, Value b, Compare direction) {
+  PJRT_CHECK(a.type == b.type, "internal: compare operands differ: ", a.type.str(), " vs ", b.type.str());
+  return emit("compare", {a, b}, compare_attr(direction), TensorType{ElementType::Pred, a.dims()});
+}
+
+Value Builder::select(Value pred, Value on_true, Value on_false) {
+  return emit("select", {pred, on_true, on_false}, "", on_true.type);
+}
+
+Value Builder::clamp(Value lo, Value x, Value hi) { return emit("clamp", {lo, x, hi}, "", x.type); }
+
+Value Builder::convert(Value x, ElementType to) {
+  if (x.element() == to) return x;
+  return emit("convert", {x}, "", TensorType{to, x.dims()});
+}
+
+Value Builder::bitcast_convert(Value x, TensorType to) { return emit("bitcast_convert", {x}, "", to); }
+
+Value Builder::broadcast_in_dim(Value x, const Dims& dims, const Dims& broadcast_dimensions) {
+  if (x.dims() == dims) return x;
+  return emit("broadcast_in_dim", {x}, "{broadcast_dimensions = " + dims_attr(broadcast_dimensions) + "}",
+              TensorType{x.element(), dims});
+}
+
+Value Builder::reshape(Value x, const Dims& dims) {
+  if (x.dims() == dims) return x;
+  return emit("reshape", {x}, "", TensorType{x.element(), dims});
+}
+
+Value Builder::transpose(Value x, const Dims& permutation) {
+  bool identity = true;
+  Dims out;
+  for (size_t i = 0; i < permutation.size(); ++i) {
+    identity &= permutation[i] == static_cast<int64_t>(i);
+    out.push_back(x.dims()[permutation[i]]);
+  }
+  if (identity) return x;
+  return emit("transpose", {x}, "{permutation = " + dims_attr(permutation) + "}", TensorType{x.element(), out});
+}
+
+Value Builder::slice(Value x, const Dims& start, const Dims& limit, const Dims& strides) {
+  Dims out;
+  bool identity = true;
+  for (size_t i = 0; i < start.size(); ++i) {
+    out.push_back(std::max<int64_t>(0, (limit[i] - start[i] + strides[i] - 1) / strides[i]));
+    identity &= start[i] == 0 && limit[i] == x.dims()[i] && strides[i] == 1;
+  }
+  if (identity) return x;
+  return emit("slice", {x},
+              "{start_indices = " + dims_attr(start) + ", limit_indices = " + dims_attr(limit) +
+                  ", strides = " + dims_attr(strides) + "}",
+              TensorType{x.element(), out});
+}
+
+Value Builder::concatenate(const std::vector<Value>& xs, int64_t dimension) {
+  if (xs.size() == 1) return xs[0];
+  Dims out = xs[0].dims();
+  out[dimension] = 0;
+  for (const Value& x : xs) out[dimension] += x.dims()[dimension];
+  return emit("concatenate", xs, "{dimension = " + std::to_string(dimension) + " : i64}",
+              TensorType{xs[0].element(), out});
+}
+
+Value Builder::pad(Value x, Value pad_value, const Dims& low, const Dims& high, const Dims& interior) {
+  Dims out;
+  for (size_t i = 0; i < low.size(); ++i) {
+    int64_t d = x.dims()[i];
+    out.push_back(low[i] + high[i] + d + std::max<int64_t>(0, d - 1) * interior[i]);
+  }
+  return emit("pad", {x, pad_value},
+              "{edge_padding_low = " + dims_attr(low) + ", edge_padding_high = " + dims_attr(high) +
+                  ", interior_padding = " + dims_attr(interior) + "}",
+              TensorType{x.element(), out});
+}
+
+Value Builder::reverse(Value x, const Dims& dims) {
+  if (dims.empty()) return x;
+  return emit("reverse", {x}, "{dimensions = " + dims_attr(dims) + "}", x.type);
+}
+
+Value Builder::dynamic_update_slice(Value operand, Value update, const std::vector<Value>& start_indices) {
+  std::vector<Value> operands{operand, update};
+  operands.insert(operands.end(), start_indices.begin(), start_indices.end());
+  return emit("dynamic_update_slice", operands, "", operand.type);
+}
+
+Value Builder::dynamic_slice(Value operand, const std::vector<Value>& start_indices, const Dims& sizes) {
+  std::vector<Value> operands{operand};
+  operands.insert(operands.end(), start_indices.begin(), start_indices.end());
+  return emit("dynamic_slice", operands, "{slice_sizes = " + dims_attr(sizes) + "}",
+              TensorType{operand.element(), sizes});
+}
+
+std::string Builder::reducer_region(Reducer reducer, ElementType type, int count) {
+  TensorType scalar{type, {}};
+  std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
+  std::string r = "%v" + std::to_string(next_id_++);
+  const char* op = "add";
+  switch (reducer) {
+    case Reducer::Add: op = type == ElementType::Pred ? "or" : "add"; break;
+    case Reducer::Mul: op = type == ElementType::Pred ? "and" : "multiply"; break;
+    case Reducer::Max: op = type == ElementType::Pred ? "or" : "maximum"; break;
+    case Reducer::Min: op = type == ElementType::Pred ? "and" : "minimum"; break;
+    case Reducer::And: op = "and"; break;
+    case Reducer::Or: op = "or"; break;
+  }
+  (void)count;
+  std::string t = scalar.str();
+  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r + " = \"stablehlo." + op + "\"(" + a +
+         ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n      \"stablehlo.return\"(" + r + ") : (" + t +
+         ") -> ()\n    }";
+}
+
+Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
+  Dims out;
+  for (int64_t i = 0; i < x.rank(); ++i) {
+    bool reduced = false;
+    for (int64_t d : dims) reduced |= d == i;
+    if (!reduced) out.push_back(x.dims()[i]);
+  }
+  std::string region = reducer_region(reducer, x.element());
+  return emit("reduce", {x, init}, "{dimensions = " + dims_attr(dims) + "}", TensorType{x.element(), out}, region);
+}
+
+std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
+  TensorType vt{x.element(), {}}, it{indices.element(), {}};
+  auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
+  std::string a = fresh(), ai = fresh(), b = fresh(), bi = fresh();
+  std::string v = vt.str(), i = it.str(), p = TensorType{ElementType::Pred, {}}.str();
+  std::string body;
+  auto line = [&](const std::string& lhs, const std::string& text) { body += "      " + lhs + " = " + text + "\n"; };
+  auto cmp = [&](const std::string& l, const std::string& r, const char* dir, const std::string& ty) {
+    return "\"stablehlo.compare\"(" + l + ", " + r + ") {comparison_direction = #stablehlo<comparison_direction " +
+           dir + ">} : (" + ty + ", " + ty + ") -> " + p;
+  };
+  auto bin = [&](const char* op, const std::string& l, const std::string& r) {
+    return std::string("\"stablehlo.") + op + "\"(" + l + ", " + r + ") : (" + p + ", " + p + ") -> " + p;
+  };
+  // PyTorch semantics: NaN wins, ties go to the lower index.
+  std::string better = fresh(), a_nan = fresh(), b_nan = fresh(), not_b_nan = fresh(), nan_wins = fresh();
+  std::string eq = fresh(), both_nan = fresh(), tie = fresh(), lower = fresh(), tie_lower = fresh(), t1 = fresh(),
+              pick = fresh(), rv = fresh(), ri = fresh();
+  line(better, cmp(a, b, is_max ? "GT" : "LT", v));
+  line(a_nan, cmp(a, a, "NE", v));
+  line(b_nan, cmp(b, b, "NE", v));
+  line(not_b_nan, "\"stablehlo.not\"(" + b_nan + ") : (" + p + ") -> " + p);
+  line(nan_wins, bin("and", a_nan, not_b_nan));
+  line(eq, cmp(a, b, "EQ", v));
+  line(both_nan, bin("and", a_nan, b_nan));
+  line(tie, bin("or", eq, both_nan));
+  line(lower, cmp(ai, bi, "LT", i));
+  line(tie_lower, bin("and", tie, lower));
+  line(t1, bin("or", better, nan_wins));
+  line(pick, bin("or", t1, tie_lower));
+  line(rv, "\"stablehlo.select\"(" + pick + ", " + a + ", " + b + ") : (" + p + ", " + v + ", " + v + ") -> " + v);
+  line(ri, "\"stablehlo.select\"(" + pick + ", " + ai + ", " + bi + ") : (" + p + ", " + i + ", " + i + ") -> " + i);
+  std::string region = "{\n    ^bb0(" + a + ": " + v + ", " + ai + ": " + i + ", " + b + ": " + v + ", " + bi + ": " +
+                       i + "):\n" + body + "      \"stablehlo.return\"(" + rv + ", " + ri + ") : (" + v + ", " + i +
+                       ") -> ()\n    }";
+  Dims out;
+  for (int64_t d = 0; d < x.rank(); ++d)
+    if (d != dim) out.push_back(x.dims()[d]);
+  Value init_v = constant(is_max ? -INFINITY : INFINITY, x.element());
+  if (!is_float(x.element())) {
+    int bits = static_cast<int>(byte_size(x.element())) * 8;
+    int64_t lo = is_unsigned(x.element()) ? 0 : (bits == 64 ? INT64_MIN : -(int64_t{1} << (bits - 1)));
+    int64_t hi = is_unsigned(x.element()) ? (bits == 64 ? -1 : (int64_t{1} << bits) - 1)
+                                          : (bits == 64 ? INT64_MAX : (int64_t{1} << (bits - 1)) - 1);
+    init_v = x.element() == ElementType::Pred ? constant_bool(!is_max) : constant_int(is_max ? lo : hi, x.element());
+  }
+  Value init_i = constant_int(0, indices.element());
+  return emit_multi("reduce", {x, indices, init_v, init_i}, "{dimensions = " + dims_attr({dim}) + "}",
+                    {TensorType{x.element(), out}, TensorType{indices.element(), out}}, region);
+}
+
+Value Builder::reduce_window(Value x, Value init, Reducer reducer, const Dims& window, const Dims& strides,
+                             const Dims& padding_low, const Dims& padding_high, const Dims& base_dilations,
+                             const Dims& window_dilations) {
+  size_t rank = window.size();
+  Dims bd = base_dilations.empty() ? ones(rank) : base_dilations;
+  Dims wd = window_dilations.empty() ? ones(rank) : window_dilations;
+  Dims out;
+  for (size_t i = 0; i < rank; ++i) {
+    int64_t in = (x.dims()[i] - 1) * bd[i] + 1 + padding_low[i] + padding_high[i];
+    int64_t win = (window[i] - 1) * wd[i] + 1;
+    out.push_back(in < win ? 0 : (in - win) / strides[i] + 1);
+  }
+  std::string region = reducer_region(reducer, x.element());
+  return emit("reduce_window", {x, init},
+              "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
+                  ", base_dilations = " + dims_attr(bd) + ", window_dilations = " + dims_attr(wd) +
+                  ", padding = " + padding_attr(padding_low, padding_high) + "}",
+              TensorType{x.element(), out}, region);
+}
+
+Value Builder::select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,
+                                  const Dims& padding_low, const Dims& padding_high) {
+  std::string t = TensorType{operand.element(), {}}.str();
+  std::string p = TensorType{ElementType::Pred, {}}.str();
+  std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
+  std::string r = "%v" + std::to_string(next_id_++);
+  std::string select = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r +
+                       " = \"stablehlo.compare\"(" + a + ", " + b +
+                       ") {comparison_direction = #stablehlo<comparison_direction GE>} : (" + t + ", " + t +
+                       ") -> " + p + "\n      \"stablehlo.return\"(" + r + ") : (" + p + ") -> ()\n    }";
+  std::string scatter = reducer_region(Reducer::Add, operand.element());
+  return emit("select_and_scatter", {operand, source, init},
+              "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
+                  ", padding = " + padding_attr(padding_low, padding_high) + "}",
+              operand.type, select + ", " + scatter);
+}
+
+Value Builder::dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& rhs_batch, const Dims& lhs_contract,
+                           const Dims& rhs_contract, ElementType result) {
+  Dims out;
+  for (int64_t d : lhs_batch) out.push_back(a.dims()[d]);
+  auto free_dims = [&](const Value& v, const Dims& batch, const Dims& contract) {
+    for (int64_t i = 0; i < v.rank(); ++i) {
+      bool used = false;
+      for (int64_t d : batch) used |= d == i;
+      for (int64_t d : contract) used |= d == i;
+      if (!used) out.push_back(v.dims()[i]);
+    }
+  };
+  free_dims(a, lhs_batch, lhs_contract);
+  free_dims(b, rhs_batch, rhs_contract);
+  std::string dn = "#stablehlo.dot<";
+  std::vector<std::string> parts;
+  if (!lhs_batch.empty()) parts.push_back("lhs_batching_dimensions = " + list(lhs_batch));
+  if (!rhs_batch.empty()) parts.push_back("rhs_batching_dimensions = " + list(rhs_batch));
+  parts.push_back("lhs_contracting_dimensions = " + list(lhs_contract));
+  parts.push_back("rhs_contracting_dimensions = " + list(rhs_contract));
+  for (size_t i = 0; i < parts.size(); ++i) dn += (i ? ", " : "") + parts[i];
+  dn += ">";
+  return emit("dot_general", {a, b}, "{dot_dimension_numbers = " + dn + "}", TensorType{result, out});
+}
+
+Value Builder::convolution(Value lhs, Value rhs, const Dims& out_dims, const Dims& strides, const Dims& padding_low,
+                           const Dims& padding_high, const Dims& lhs_dilation, const Dims& rhs_dilation,
+                           int64_t feature_group_count, int64_t batch_group_count) {
+  size_t spatial = strides.size();
+  std::string sp;
+  for (size_t i = 0; i < spatial; ++i) sp += ", " + std::to_string(i);
+  std::string dn = "#stablehlo.conv<[b, f" + sp + "]x[o, i" + sp + "]->[b, f" + sp + "]>";
+  return emit("convolution", {lhs, rhs},
+              "{batch_group_count = " + std::to_string(batch_group_count) + " : i64, dimension_numbers = " + dn +
+                  ", feature_group_count = " + std::to_string(feature_group_count) +
+                  " : i64, lhs_dilation = " + dims_attr(lhs_dilation) + ", padding = " +
+                  padding_attr(padding_low, padding_high) + ", rhs_dilation = " + dims_attr(rhs_dilation) +
+                  ", window_strides = " + dims_attr(strides) + "}",
+              TensorType{lhs.element(), out_dims});
+}
+
+Value Builder::gather(Value operand, Value indices, const GatherDims& dn, const Dims& slice_sizes,
+                      const Dims& out_dims) {
+  std::string attr = "#stablehlo.gather<";
+  std::vector<std::string> parts;
+  if (!dn.offset_dims.empty()) parts.push_back("offset_dims = " + list(dn.offset_dims));
+  if (!dn.collapsed_slice_dims.empty()) parts.push_back("collapsed_slice_dims = " + list(dn.collapsed_slice_dims));
+  if (!dn.operand_batching_dims.empty()) parts.push_back("operand_batching_dims = " + list(dn.operand_batching_dims));
+  if (!dn.start_indices_batching_dims.empty())
+    parts.push_back("start_indices_batching_dims = " + list(dn.start_indices_batching_dims));
+  parts.push_back("start_index_map = " + list(dn.start_index_map));
+  parts.push_back("index_vector_dim = " + std::to_string(dn.index_vector_dim));
+  for (size_t i = 0; i < parts.size(); ++i) attr += (i ? ", " : "") + parts[i];
+  attr += ">";
+  return emit("gather", {operand, indices},
+              "{dimension_numbers = " + attr + ", indices_are_sorted = false, slice_sizes = " +
+                  dims_attr(slice_sizes) + "}",
+              TensorType{operand.element(), out_dims});
+}
+
+Value Builder::scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, bool accumulate) {
+  std::string attr = "#stablehlo.scatter<";
+  std::vector<std::string> parts;
+  if (!dn.update_window_dims.empty()) parts.push_back("update_window_dims = " + list(dn.update_window_dims));
+  if (!dn.inserted_window_dims.empty()) parts.push_back("inserted_window_dims = " + list(dn.inserted_window_dims));
+  if (!dn.input_batching_dims.empty()) parts.push_back("input_batching_dims = " + list(dn.input_batching_dims));
+  if (!dn.scatter_indices_batching_dims.empty())
+    parts.push_back("scatter_indices_batching_dims = " + list(dn.scatter_indices_batching_dims));
+  parts.push_back("scatter_dims_to_operand_dims = " + list(dn.scatter_dims_to_operand_dims));
+  parts.push_back("index_vector_dim = " + std::to_string(dn.index_vector_dim));
+  for (size_t i = 0; i < parts.size(); ++i) attr += (i ? ", " : "") + parts[i];
+  attr += ">";
+  std::string region;
+  if (accumulate) {
+    region = reducer_region(Reducer::Add, operand.element());
+  } else {
+    std::string t = TensorType{operand.element(), {}}.str();
+    std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
+    region = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      \"stablehlo.return\"(" + b + ") : (" +
+             t + ") -> ()\n    }";
+  }
+  return emit("scatter", {operand, indices, updates},
+              "{indices_are_sorted = false, scatter_dimension_numbers = " + attr + ", unique_indices = false}",
+              operand.type, region);
+}
+
+std::vector<Value> Builder::sort(const std::vector<Value>& operands, int64_t dim, bool descending, bool stable) {
+  std::string args, p = TensorType{ElementType::Pred, {}}.str();
+  std::string key_a, key_b, key_t = TensorType{operands[0].element(), {}}.str();
+  for (size_t i = 0; i < operands.size(); ++i) {
+    std::string t = TensorType{operands[i].element(), {}}.str();
+    std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
+    if (i == 0) {
+      key_a = a;
+      key_b = b;
+    }
+    args += (i ? ", " : "") + a + ": " + t + ", " + b + ": " + t;
+  }
+  std::string r = "%v" + std::to_string(next_id_++);
+  // TOTALORDER puts NaN last ascending (first descending), as torch.sort does.
+  std::string cmp_type = is_float(operands[0].element()) ? ", compare_type = #stablehlo<comparison_type TOTALORDER>" : "";
+  std::string region = "{\n    ^bb0(" + args + "):\n      " + r + " = \"stablehlo.compare\"(" + key_a + ", " +
+                       key_b + ") {comparison_direction = #stablehlo<comparison_direction " +
+                       (descending ? "GT" : "LT") + ">" + cmp_type + "} : (" + key_t + ", " + key_t + ") -> " + p +
+                       "\n      \"stablehlo.return\"(" + r + ") : (" + p + ") -> ()\n    }";
+  std::vector<TensorType> types;
+  for (const Value& v : operands) types.push_back(v.type);
+  return emit_multi("sort", operands,
+                    "{dimension = " + std::to_string(dim) + " : i64, is_stable = " + (stable ? "true" : "false") + "}",
+                    types, region);
+}
+
+std::vector<Value> Builder::rng_bit_generator(Value state, TensorType bits_type) {
+  return emit_multi("rng_bit_generator", {state}, "{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}",
+                    {state.type, bits_type}, "");
+}
+
+std::string Builder::finish(const std::vector<Value>& results) const {
+  std::string text = "module @torch_pjrt {\n  func.func public @main(";
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (i) text += ", ";
+    text += "%arg" + std::to_string(i) + ": " + params_[i].str();
+  }
+  text += ") -> (";
+  for (size_t i = 0; i < results.size(); ++i) text += (i ? ", " : "") + results[i].type.str();
+  text += ") {\n" + body_ + "    \"func.return\"(";
+  std::string types;
+  for (size_t i = 0; i < results.size(); ++i) {
+    text += (i ? ", " : "") + results[i].name;
+    types += (i ? ", " : "") + results[i].type.str();
+  }
+  text += ") : (" + types + ") -> ()\n  }\n}\n";
+  return text;
+}
+
+}  // namespace torch_pjrt::hlo

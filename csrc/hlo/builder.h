@@ -1,0 +1,121 @@
+// Builds one StableHLO module as MLIR text: a single public @main function.
+// Ops are emitted in MLIR's generic form, which is uniform and stable across
+// StableHLO versions. Values are SSA names tagged with their tensor type.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pjrt/element_type.h"
+
+namespace torch_pjrt::hlo {
+
+using Dims = std::vector<int64_t>;
+
+struct TensorType {
+  ElementType element;
+  Dims dims;
+  int64_t element_count() const;
+  std::string str() const;  // tensor<2x3xf32>
+  bool operator==(const TensorType&) const = default;
+};
+
+struct Value {
+  std::string name;  // SSA name: %argN, %vN or %vN#k
+  TensorType type;
+  const Dims& dims() const { return type.dims; }
+  ElementType element() const { return type.element; }
+  int64_t rank() const { return static_cast<int64_t>(type.dims.size()); }
+};
+
+// Reduction bodies and comparison directions understood by the builder.
+enum class Reducer { Add, Mul, Max, Min, And, Or };
+enum class Compare { EQ, NE, LT, LE, GT, GE };
+
+class Builder {
+ public:
+  Value parameter(TensorType type);
+
+  // Scalars and constants (broadcast to `dims`).
+  Value constant(double value, ElementType type, const Dims& dims = {});
+  Value constant_int(int64_t value, ElementType type, const Dims& dims = {});
+  Value constant_bool(bool value, const Dims& dims = {});
+  Value iota(TensorType type, int64_t dimension);
+
+  // Elementwise; operands must already share shape and element type.
+  Value unary(std::string_view op, Value x);  // op without the "stablehlo." prefix
+  Value binary(std::string_view op, Value a, Value b);
+  Value compare(Value a, Value b, Compare direction);
+  Value select(Value pred, Value on_true, Value on_false);
+  Value clamp(Value lo, Value x, Value hi);
+  Value convert(Value x, ElementType to);
+  Value bitcast_convert(Value x, TensorType to);
+
+  // Shape.
+  Value broadcast_in_dim(Value x, const Dims& dims, const Dims& broadcast_dimensions);
+  Value reshape(Value x, const Dims& dims);
+  Value transpose(Value x, const Dims& permutation);
+  Value slice(Value x, const Dims& start, const Dims& limit, const Dims& strides);
+  Value concatenate(const std::vector<Value>& xs, int64_t dimension);
+  Value pad(Value x, Value pad_value, const Dims& low, const Dims& high, const Dims& interior);
+  Value reverse(Value x, const Dims& dims);
+  Value dynamic_update_slice(Value operand, Value update, const std::vector<Value>& start_indices);
+  Value dynamic_slice(Value operand, const std::vector<Value>& start_indices, const Dims& sizes);
+
+  // Reductions and windows. `init` must be a 0-d value of x's element type.
+  Value reduce(Value x, Value init, const Dims& dims, Reducer reducer);
+  // Variadic reduce for argmax/argmin: returns {values, indices}.
+  std::vector<Value> reduce_arg(Value x, Value indices, int64_t dim, bool is_max);
+  Value reduce_window(Value x, Value init, Reducer reducer, const Dims& window, const Dims& strides,
+                      const Dims& padding_low, const Dims& padding_high, const Dims& base_dilations = {},
+                      const Dims& window_dilations = {});
+  Value select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,
+                           const Dims& padding_low, const Dims& padding_high);
+
+  // Linear algebra.
+  Value dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& rhs_batch, const Dims& lhs_contract,
+                    const Dims& rhs_contract, ElementType result);
+  // Layout: lhs [N, C, spatial...], rhs [O, I, spatial...], out [N, C, spatial...].
+  Value convolution(Value lhs, Value rhs, const Dims& out_dims, const Dims& strides, const Dims& padding_low,
+                    const Dims& padding_high, const Dims& lhs_dilation, const Dims& rhs_dilation,
+                    int64_t feature_group_count, int64_t batch_group_count = 1);
+
+  // Indexing (generic dimension numbers, as in the StableHLO spec).
+  struct GatherDims {
+    Dims offset_dims, collapsed_slice_dims, operand_batching_dims, start_indices_batching_dims, start_index_map;
+    int64_t index_vector_dim;
+  };
+  Value gather(Value operand, Value indices, const GatherDims& dn, const Dims& slice_sizes, const Dims& out_dims);
+  struct ScatterDims {
+    Dims update_window_dims, inserted_window_dims, input_batching_dims, scatter_indices_batching_dims,
+        scatter_dims_to_operand_dims;
+    int64_t index_vector_dim;
+  };
+  // `combine` is Reducer::Add to accumulate; std::nullopt-like `replace` overwrites.
+  Value scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, bool accumulate);
+
+  // Sorts along `dim`; the first operand is the key. Returns all operands sorted.
+  std::vector<Value> sort(const std::vector<Value>& operands, int64_t dim, bool descending, bool stable = true);
+
+  // Random bits: returns {new_state, bits}. State is ui64[2] (Threefry key/counter).
+  std::vector<Value> rng_bit_generator(Value state, TensorType bits_type);
+
+  // Closes @main returning `results`; returns the module text.
+  std::string finish(const std::vector<Value>& results) const;
+
+ private:
+  Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
+             TensorType result, const std::string& region = "");
+  std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
+                                const std::string& attributes, const std::vector<TensorType>& results,
+                                const std::string& region);
+  std::string reducer_region(Reducer reducer, ElementType type, int count = 1);
+  int next_id_ = 0;
+  std::vector<TensorType> params_;
+  std::string body_;
+};
+
+std::string dims_attr(const Dims& dims);  // array<i64: 1, 2>
+
+}  // namespace torch_pjrt::hlo

@@ -1,0 +1,91 @@
+#include "pjrt/buffer.h"
+
+#include "pjrt/error.h"
+
+namespace torch_pjrt::pjrt {
+namespace {
+
+ElementType from_pjrt(PJRT_Buffer_Type t) {
+  switch (t) {
+    case PJRT_Buffer_Type_PRED: return ElementType::Pred;
+    case PJRT_Buffer_Type_S8: return ElementType::S8;
+    case PJRT_Buffer_Type_S16: return ElementType::S16;
+    case PJRT_Buffer_Type_S32: return ElementType::S32;
+    case PJRT_Buffer_Type_S64: return ElementType::S64;
+    case PJRT_Buffer_Type_U8: return ElementType::U8;
+    case PJRT_Buffer_Type_U16: return ElementType::U16;
+    case PJRT_Buffer_Type_U32: return ElementType::U32;
+    case PJRT_Buffer_Type_U64: return ElementType::U64;
+    case PJRT_Buffer_Type_F16: return ElementType::F16;
+    case PJRT_Buffer_Type_BF16: return ElementType::BF16;
+    case PJRT_Buffer_Type_F32: return ElementType::F32;
+    case PJRT_Buffer_Type_F64: return ElementType::F64;
+    default: fail("PJRT buffer has an element type torch_pjrt does not support (", static_cast<int>(t), ")");
+  }
+}
+
+}  // namespace
+
+Event::~Event() {
+  auto args = PJRT_ARGS(PJRT_Event_Destroy_Args);
+  args.event = event_;
+  plugin_->api()->PJRT_Event_Destroy(&args);
+}
+
+void Event::wait() {
+  auto args = PJRT_ARGS(PJRT_Event_Await_Args);
+  args.event = event_;
+  plugin_->check(plugin_->api()->PJRT_Event_Await(&args), "PJRT_Event_Await");
+  auto err = PJRT_ARGS(PJRT_Event_Error_Args);
+  err.event = event_;
+  plugin_->check(plugin_->api()->PJRT_Event_Error(&err), "device execution");
+}
+
+bool Event::is_ready() const {
+  auto args = PJRT_ARGS(PJRT_Event_IsReady_Args);
+  args.event = event_;
+  plugin_->check(plugin_->api()->PJRT_Event_IsReady(&args), "PJRT_Event_IsReady");
+  return args.is_ready;
+}
+
+Buffer::Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer) : plugin_(std::move(plugin)), buffer_(buffer) {
+  const PJRT_Api* api = plugin_->api();
+  auto type = PJRT_ARGS(PJRT_Buffer_ElementType_Args);
+  type.buffer = buffer_;
+  plugin_->check(api->PJRT_Buffer_ElementType(&type), "PJRT_Buffer_ElementType");
+  type_ = from_pjrt(type.type);
+  auto dims = PJRT_ARGS(PJRT_Buffer_Dimensions_Args);
+  dims.buffer = buffer_;
+  plugin_->check(api->PJRT_Buffer_Dimensions(&dims), "PJRT_Buffer_Dimensions");
+  dims_.assign(dims.dims, dims.dims + dims.num_dims);
+}
+
+Buffer::~Buffer() {
+  auto args = PJRT_ARGS(PJRT_Buffer_Destroy_Args);
+  args.buffer = buffer_;
+  plugin_->api()->PJRT_Buffer_Destroy(&args);
+}
+
+int64_t Buffer::element_count() const {
+  int64_t n = 1;
+  for (int64_t d : dims_) n *= d;
+  return n;
+}
+
+void Buffer::to_host(void* dst) const {
+  auto args = PJRT_ARGS(PJRT_Buffer_ToHostBuffer_Args);
+  args.src = buffer_;
+  args.dst = dst;
+  args.dst_size = byte_count();
+  plugin_->check(plugin_->api()->PJRT_Buffer_ToHostBuffer(&args), "PJRT_Buffer_ToHostBuffer");
+  Event(plugin_, args.event).wait();
+}
+
+void Buffer::wait_ready() const {
+  auto args = PJRT_ARGS(PJRT_Buffer_ReadyEvent_Args);
+  args.buffer = buffer_;
+  plugin_->check(plugin_->api()->PJRT_Buffer_ReadyEvent(&args), "PJRT_Buffer_ReadyEvent");
+  Event(plugin_, args.event).wait();
+}
+
+}  // namespace torch_pjrt::pjrt

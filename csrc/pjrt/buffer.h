@@ -1,0 +1,39 @@
+// A device buffer (owned). Storage of every `tpu` tensor is one of these.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "pjrt/element_type.h"
+#include "pjrt/event.h"
+
+namespace torch_pjrt::pjrt {
+
+class Buffer {
+ public:
+  Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  PJRT_Buffer* raw() const { return buffer_; }
+  ElementType element_type() const { return type_; }
+  const std::vector<int64_t>& dims() const { return dims_; }
+  int64_t element_count() const;
+  size_t byte_count() const { return static_cast<size_t>(element_count()) * byte_size(type_); }
+
+  // Copies the whole buffer, row-major, into `dst` (byte_count() bytes); waits.
+  void to_host(void* dst) const;
+  // Waits until the value is computed; throws if the producing program failed.
+  void wait_ready() const;
+
+ private:
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Buffer* buffer_;
+  ElementType type_;
+  std::vector<int64_t> dims_;
+};
+
+using BufferPtr = std::shared_ptr<Buffer>;
+
+}  // namespace torch_pjrt::pjrt

@@ -1,0 +1,120 @@
+#include "pjrt/client.h"
+
+#include "pjrt/error.h"
+
+namespace torch_pjrt::pjrt {
+
+std::shared_ptr<Client> Client::create(std::shared_ptr<Plugin> plugin, int64_t cpu_device_count) {
+  std::vector<PJRT_NamedValue> options;
+  static const char kCpuDeviceCount[] = "cpu_device_count";
+  if (cpu_device_count > 0) {
+    auto nv = PJRT_ARGS(PJRT_NamedValue);
+    nv.name = kCpuDeviceCount;
+    nv.name_size = sizeof(kCpuDeviceCount) - 1;
+    nv.type = PJRT_NamedValue_kInt64;
+    nv.int64_value = cpu_device_count;
+    nv.value_size = 1;
+    options.push_back(nv);
+  }
+  auto args = PJRT_ARGS(PJRT_Client_Create_Args);
+  args.create_options = options.data();
+  args.num_options = options.size();
+  plugin->check(plugin->api()->PJRT_Client_Create(&args), "PJRT_Client_Create");
+  return std::shared_ptr<Client>(new Client(std::move(plugin), args.client));
+}
+
+Client::Client(std::shared_ptr<Plugin> plugin, PJRT_Client* client) : plugin_(std::move(plugin)), client_(client) {
+  const PJRT_Api* api = plugin_->api();
+  auto devices = PJRT_ARGS(PJRT_Client_AddressableDevices_Args);
+  devices.client = client_;
+  plugin_->check(api->PJRT_Client_AddressableDevices(&devices), "PJRT_Client_AddressableDevices");
+  devices_.assign(devices.addressable_devices, devices.addressable_devices + devices.num_addressable_devices);
+  auto name = PJRT_ARGS(PJRT_Client_PlatformName_Args);
+  name.client = client_;
+  plugin_->check(api->PJRT_Client_PlatformName(&name), "PJRT_Client_PlatformName");
+  platform_name_.assign(name.platform_name, name.platform_name_size);
+  auto version = PJRT_ARGS(PJRT_Client_PlatformVersion_Args);
+  version.client = client_;
+  plugin_->check(api->PJRT_Client_PlatformVersion(&version), "PJRT_Client_PlatformVersion");
+  platform_version_.assign(version.platform_version, version.platform_version_size);
+}
+
+Client::~Client() {
+  auto args = PJRT_ARGS(PJRT_Client_Destroy_Args);
+  args.client = client_;
+  plugin_->api()->PJRT_Client_Destroy(&args);
+}
+
+PJRT_Device* Client::device(size_t index) const {
+  PJRT_CHECK(index < devices_.size(), "device index ", index, " is out of range: the ", platform_name_,
+             " plugin has ", devices_.size(), " device(s)");
+  return devices_[index];
+}
+
+namespace {
+PJRT_DeviceDescription* description(const Plugin& plugin, PJRT_Device* device) {
+  auto args = PJRT_ARGS(PJRT_Device_GetDescription_Args);
+  args.device = device;
+  plugin.check(plugin.api()->PJRT_Device_GetDescription(&args), "PJRT_Device_GetDescription");
+  return args.device_description;
+}
+}  // namespace
+
+std::string Client::device_kind(size_t index) const {
+  auto args = PJRT_ARGS(PJRT_DeviceDescription_Kind_Args);
+  args.device_description = description(*plugin_, device(index));
+  plugin_->check(plugin_->api()->PJRT_DeviceDescription_Kind(&args), "PJRT_DeviceDescription_Kind");
+  return std::string(args.device_kind, args.device_kind_size);
+}
+
+ExecutablePtr Client::compile(const std::string& text, const CompileOptions& options, size_t device_index) const {
+  PJRT_Device* dev = device(device_index);
+  CompileOptions opts = options;
+  if (opts.device_assignment.empty() && opts.num_replicas == 1 && opts.num_partitions == 1) {
+    auto id = PJRT_ARGS(PJRT_DeviceDescription_Id_Args);
+    id.device_description = description(*plugin_, dev);
+    plugin_->check(plugin_->api()->PJRT_DeviceDescription_Id(&id), "PJRT_DeviceDescription_Id");
+    opts.device_assignment = {{id.id}};
+  }
+  std::string serialized = opts.serialize();
+  static const char kFormat[] = "mlir";
+  auto program = PJRT_ARGS(PJRT_Program);
+  program.code = const_cast<char*>(text.data());
+  program.code_size = text.size();
+  program.format = kFormat;
+  program.format_size = sizeof(kFormat) - 1;
+  auto args = PJRT_ARGS(PJRT_Client_Compile_Args);
+  args.client = client_;
+  args.program = &program;
+  args.compile_options = serialized.data();
+  args.compile_options_size = serialized.size();
+  plugin_->check(plugin_->api()->PJRT_Client_Compile(&args), "compiling StableHLO");
+  return std::make_shared<LoadedExecutable>(plugin_, dev, args.executable);
+}
+
+ExecutablePtr Client::deserialize(const std::string& bytes, size_t device_index) const {
+  auto args = PJRT_ARGS(PJRT_Executable_DeserializeAndLoad_Args);
+  args.client = client_;
+  args.serialized_executable = bytes.data();
+  args.serialized_executable_size = bytes.size();
+  plugin_->check(plugin_->api()->PJRT_Executable_DeserializeAndLoad(&args), "PJRT_Executable_DeserializeAndLoad");
+  return std::make_shared<LoadedExecutable>(plugin_, device(device_index), args.loaded_executable);
+}
+
+BufferPtr Client::buffer_from_host(const void* data, ElementType type, const std::vector<int64_t>& dims,
+                                   size_t device_index) const {
+  auto args = PJRT_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
+  args.client = client_;
+  args.data = data;
+  args.type = to_pjrt(type);
+  args.dims = dims.data();
+  args.num_dims = dims.size();
+  // The plugin copies before returning, so the caller's memory is free at once.
+  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+  args.device = device(device_index);
+  plugin_->check(plugin_->api()->PJRT_Client_BufferFromHostBuffer(&args), "PJRT_Client_BufferFromHostBuffer");
+  if (args.done_with_host_buffer) Event(plugin_, args.done_with_host_buffer).wait();
+  return std::make_shared<Buffer>(plugin_, args.buffer);
+}
+
+}  // namespace torch_pjrt::pjrt

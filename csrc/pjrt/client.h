@@ -1,0 +1,45 @@
+// A PJRT client: devices, compilation and host-to-device transfers.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pjrt/buffer.h"
+#include "pjrt/compile_options.h"
+#include "pjrt/executable.h"
+
+namespace torch_pjrt::pjrt {
+
+class Client {
+ public:
+  // `cpu_device_count` is passed to plugins that accept it (the CPU plugin);
+  // 0 leaves the plugin's default.
+  static std::shared_ptr<Client> create(std::shared_ptr<Plugin> plugin, int64_t cpu_device_count = 0);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::shared_ptr<Plugin>& plugin() const { return plugin_; }
+  const std::string& platform_name() const { return platform_name_; }
+  const std::string& platform_version() const { return platform_version_; }
+  size_t device_count() const { return devices_.size(); }
+  PJRT_Device* device(size_t index) const;
+  std::string device_kind(size_t index) const;
+
+  ExecutablePtr compile(const std::string& stablehlo_text, const CompileOptions& options, size_t device_index = 0) const;
+  ExecutablePtr deserialize(const std::string& bytes, size_t device_index = 0) const;
+
+  // Copies `data` (row-major, dense) to a new buffer on `device_index`.
+  BufferPtr buffer_from_host(const void* data, ElementType type, const std::vector<int64_t>& dims,
+                             size_t device_index = 0) const;
+
+ private:
+  Client(std::shared_ptr<Plugin> plugin, PJRT_Client* client);
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Client* client_;
+  std::vector<PJRT_Device*> devices_;
+  std::string platform_name_;
+  std::string platform_version_;
+};
+
+}  // namespace torch_pjrt::pjrt

@@ -1,0 +1,37 @@
+// Errors raised by the PJRT layer. Every PJRT_Error is turned into a C++
+// exception that carries the plugin's own message, so nothing is swallowed.
+#pragma once
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace torch_pjrt::pjrt {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+namespace detail {
+inline void append(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void append(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  append(os, rest...);
+}
+}  // namespace detail
+
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream os;
+  detail::append(os, parts...);
+  throw Error(os.str());
+}
+
+}  // namespace torch_pjrt::pjrt
+
+// PJRT_CHECK(cond, "message parts", ...): TORCH_CHECK-style guard without torch.
+#define PJRT_CHECK(cond, ...)                        \
+  do {                                               \
+    if (!(cond)) ::torch_pjrt::pjrt::fail(__VA_ARGS__); \
+  } while (0)

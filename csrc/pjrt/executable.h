@@ -1,0 +1,42 @@
+// A compiled program loaded on the client's devices (owned).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pjrt/buffer.h"
+
+namespace torch_pjrt::pjrt {
+
+class Client;
+
+class LoadedExecutable {
+ public:
+  LoadedExecutable(std::shared_ptr<Plugin> plugin, PJRT_Device* device, PJRT_LoadedExecutable* exe);
+  ~LoadedExecutable();
+  LoadedExecutable(const LoadedExecutable&) = delete;
+  LoadedExecutable& operator=(const LoadedExecutable&) = delete;
+
+  size_t num_outputs() const { return num_outputs_; }
+
+  struct Result {
+    std::vector<BufferPtr> outputs;
+    std::unique_ptr<Event> done;  // fires when the program finished (or failed)
+  };
+  // Enqueues one execution on the executable's device; returns at once.
+  // `donated` lists argument indices whose buffers the program may consume.
+  Result execute(const std::vector<Buffer*>& args, const std::vector<int64_t>& non_donatable = {}) const;
+
+  // Bytes that DeserializeAndLoad on the same plugin version turns back into this.
+  std::string serialize() const;
+
+ private:
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Device* device_;
+  PJRT_LoadedExecutable* exe_;
+  size_t num_outputs_ = 0;
+};
+
+using ExecutablePtr = std::shared_ptr<LoadedExecutable>;
+
+}  // namespace torch_pjrt::pjrt

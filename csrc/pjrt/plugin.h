@@ -1,0 +1,42 @@
+// A PJRT plugin: the shared object that exports GetPjrtApi, loaded once.
+#pragma once
+#include <pjrt_c_api.h>
+
+#include <memory>
+#include <string>
+
+namespace torch_pjrt::pjrt {
+
+class Plugin {
+ public:
+  // Loads `path` (dlopen) and initializes it. Refuses a plugin whose PJRT API
+  // is newer than the header we were compiled with: its structs would be
+  // larger than ours and calls would be rejected or misread.
+  static std::shared_ptr<Plugin> load(const std::string& path);
+
+  const PJRT_Api* api() const { return api_; }
+  const std::string& path() const { return path_; }
+  int api_major() const { return api_->pjrt_api_version.major_version; }
+  int api_minor() const { return api_->pjrt_api_version.minor_version; }
+
+  // Throws Error with the plugin's message if `error` is non-null; frees it.
+  void check(PJRT_Error* error, const char* what) const;
+
+ private:
+  Plugin(std::string path, void* handle, const PJRT_Api* api)
+      : path_(std::move(path)), handle_(handle), api_(api) {}
+  std::string path_;
+  void* handle_;  // never dlclosed: plugins keep threads and atexit hooks
+  const PJRT_Api* api_;
+};
+
+// Zero-initialized args struct with struct_size set, as every PJRT call wants.
+template <typename Args>
+Args make_args(size_t struct_size) {
+  Args args{};
+  args.struct_size = struct_size;
+  return args;
+}
+#define PJRT_ARGS(T) ::torch_pjrt::pjrt::make_args<T>(T##_STRUCT_SIZE)
+
+}  // namespace torch_pjrt::pjrt
