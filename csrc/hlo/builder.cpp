@@ -123,7 +123,8 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
   std::string name = "%v" + std::to_string(next_id_++);
   std::string line = "    " + name;
   if (results.size() > 1) line += ":" + std::to_string(results.size());
-  line += " = \"stablehlo.";
+  // Bare names are StableHLO ops; "chlo.erf" and friends are legalized by the plugin.
+  line += op.find('.') == std::string_view::npos ? " = \"stablehlo." : " = \"";
   line += op;
   line += "\"(";
   std::string operand_types;

@@ -1,0 +1,303 @@
+// Allocator, device guard, hooks and generators for PrivateUse1 (`tpu`).
+#include "aten/device.h"
+
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+namespace torch_pjrt {
+namespace {
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+
+struct Runtime {
+  std::shared_ptr<pjrt::Client> client;
+  std::unique_ptr<graph::CompileCache> cache;
+};
+
+std::atomic<bool> g_started{false};
+
+std::string& configured_path() {
+  static std::string path;
+  return path;
+}
+
+Runtime& runtime() {
+  static Runtime rt;
+  static std::once_flag once;
+  static std::string error;
+  std::call_once(once, [] {
+    try {
+      TORCH_CHECK(!configured_path().empty(), "no PJRT plugin configured: import torch_pjrt first");
+      int64_t cpu_devices = 1;
+      if (const char* env = std::getenv("TORCH_PJRT_CPU_DEVICES")) cpu_devices = std::atoll(env);
+      rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), cpu_devices);
+      rt.cache = std::make_unique<graph::CompileCache>(rt.client);
+      g_started = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  TORCH_CHECK(rt.client, "the tpu device could not start: ", error);
+  return rt;
+}
+
+Mode g_mode = Mode::Strict;
+thread_local int g_current_device = 0;
+
+// ---- Allocator: a storage is a StorageState; nothing is allocated on the
+// device until a program writes the storage.
+struct DeviceMemory {
+  std::mutex mutex;
+  std::vector<c10::CachingDeviceAllocator::DeviceStats> stats;
+  c10::CachingDeviceAllocator::DeviceStats& of(int device) {
+    if (stats.size() <= static_cast<size_t>(device)) stats.resize(device + 1);
+    return stats[device];
+  }
+};
+DeviceMemory& memory() {
+  static DeviceMemory m;
+  return m;
+}
+
+void delete_storage(void* ctx) {
+  auto* state = static_cast<StorageState*>(ctx);
+  {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    memory().of(state->device).allocated_bytes[0].decrease(state->nbytes);
+  }
+  delete state;
+}
+
+struct TpuAllocator final : c10::DeviceAllocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    auto* state = new StorageState{nullptr, nbytes, current_device()};
+    {
+      std::lock_guard<std::mutex> lock(memory().mutex);
+      auto& s = memory().of(state->device);
+      s.allocated_bytes[0].increase(nbytes);
+      s.allocation[0].increase(1);
+    }
+    // The data pointer is the state itself: unique per storage, never dereferenced.
+    return {state, state, &delete_storage, c10::Device(kTpu, static_cast<c10::DeviceIndex>(state->device))};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void*, const void*, std::size_t) const override {
+    TORCH_CHECK(false, "tpu storages cannot be copied as raw memory; use tensor.copy_()");
+  }
+  bool initialized() override { return runtime_started(); }
+  void emptyCache(c10::MempoolId_t) override {}
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    return memory().of(device);
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    memory().of(device).allocated_bytes[0].reset_accumulated();
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    memory().of(device).allocated_bytes[0].reset_peak();
+  }
+};
+
+TpuAllocator g_allocator;
+REGISTER_ALLOCATOR(kTpu, &g_allocator);
+
+// ---- Device guard: one synchronous stream per device; PJRT orders work.
+struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kTpu; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(kTpu, static_cast<c10::DeviceIndex>(current_device())); }
+  void setDevice(c10::Device d) const override { set_current_device(d.index() < 0 ? 0 : d.index()); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { g_current_device = d.index() < 0 ? 0 : d.index(); }
+  c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getNewStream(c10::Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream exchangeStream(c10::Stream s) const override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    try {
+      return static_cast<c10::DeviceIndex>(device_count());
+    } catch (...) {
+      return 0;
+    }
+  }
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+};
+C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuard);
+
+// ---- Generator: (seed, offset) for a counter-based RNG.
+struct TpuGenerator final : c10::GeneratorImpl {
+  explicit TpuGenerator(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(kTpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+  void set_current_seed(uint64_t s) override {
+    seed_ = s;
+    offset_ = 0;
+  }
+  void set_offset(uint64_t o) override { offset_ = o; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    uint64_t s = c10::detail::getNonDeterministicRandom(true);
+    set_current_seed(s);
+    return s;
+  }
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.numel() == 16 && state.dtype() == caffe2::TypeMeta::Make<uint8_t>(),
+                "tpu RNG state must be a uint8 tensor of 16 bytes (seed, offset)");
+    const auto* data = static_cast<const uint64_t*>(state.data());
+    seed_ = data[0];
+    offset_ = data[1];
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(c10::Storage::use_byte_size_t(), 16, c10::GetCPUAllocator(), true),
+        c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<uint8_t>());
+    impl->set_sizes_contiguous({16});
+    auto* data = static_cast<uint64_t*>(impl->mutable_data());
+    data[0] = seed_;
+    data[1] = offset_;
+    return impl;
+  }
+  TpuGenerator* clone_impl() const override {
+    auto* g = new TpuGenerator(device().index());
+    g->seed_ = seed_;
+    g->offset_ = offset_;
+    return g;
+  }
+  static c10::DeviceType device_type() { return kTpu; }
+  uint64_t seed_ = 67280421310721ULL;
+  uint64_t offset_ = 0;
+};
+
+std::vector<at::Generator>& generators() {
+  static std::vector<at::Generator> gens;
+  return gens;
+}
+
+// ---- Hooks.
+struct TpuHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return device_count() > 0; }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    return default_generator(index < 0 ? current_device() : index);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return at::make_generator<TpuGenerator>(index < 0 ? static_cast<c10::DeviceIndex>(current_device()) : index);
+  }
+  at::Device getDeviceFromPtr(void* data) const override {
+    return c10::Device(kTpu, static_cast<c10::DeviceIndex>(static_cast<StorageState*>(data)->device));
+  }
+  bool isPinnedPtr(const void*) const override { return false; }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return runtime_started(); }
+  c10::DeviceIndex deviceCount() const override { return static_cast<c10::DeviceIndex>(device_count()); }
+  void setCurrentDevice(c10::DeviceIndex d) const override { set_current_device(d); }
+  c10::DeviceIndex getCurrentDevice() const override { return static_cast<c10::DeviceIndex>(current_device()); }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    auto old = getCurrentDevice();
+    set_current_device(d);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    // Growth keeps the buffer; reads pad it with zeros up to nbytes.
+    storage_state(storage).nbytes = newsize;
+    storage.unsafeGetStorageImpl()->set_nbytes(newsize);
+  }
+};
+
+bool register_hooks() {
+  static TpuHooks hooks;
+  at::RegisterPrivateUse1HooksInterface(&hooks);
+  return true;
+}
+const bool g_hooks_registered = register_hooks();
+
+}  // namespace
+
+StorageState& storage_state(const c10::Storage& storage) {
+  void* ctx = storage.data_ptr().get_context();
+  TORCH_CHECK(ctx && storage.data_ptr().get_deleter() == &delete_storage,
+              "internal: storage on ", storage.device(), " was not allocated by torch_pjrt");
+  return *static_cast<StorageState*>(ctx);
+}
+
+Mode mode() { return g_mode; }
+void set_mode(Mode m) { g_mode = m; }
+
+void configure_plugin(const std::string& path) {
+  TORCH_CHECK(!runtime_started() || path == configured_path(),
+              "the tpu runtime already started with plugin ", configured_path());
+  configured_path() = path;
+}
+const std::string& plugin_path() { return configured_path(); }
+pjrt::Client& client() { return *runtime().client; }
+graph::CompileCache& compile_cache() { return *runtime().cache; }
+
+bool runtime_started() { return g_started; }
+
+int device_count() { return static_cast<int>(runtime().client->device_count()); }
+
+int current_device() { return g_current_device; }
+
+void check_device_index(int64_t index) {
+  TORCH_CHECK(index >= 0 && index < device_count(), "invalid tpu device index ", index, ": there ",
+              device_count() == 1 ? "is 1 device" : "are " + std::to_string(device_count()) + " devices",
+              " (platform ", runtime().client->platform_name(), ")");
+}
+
+void set_current_device(int index) {
+  check_device_index(index);
+  g_current_device = index;
+}
+
+int64_t memory_allocated(int device) {
+  std::lock_guard<std::mutex> lock(memory().mutex);
+  return memory().of(device).allocated_bytes[0].current;
+}
+int64_t max_memory_allocated(int device) {
+  std::lock_guard<std::mutex> lock(memory().mutex);
+  return memory().of(device).allocated_bytes[0].peak;
+}
+void reset_peak_memory(int device) { g_allocator.resetPeakStats(static_cast<c10::DeviceIndex>(device)); }
+
+const at::Generator& default_generator(int device) {
+  auto& gens = generators();
+  if (gens.empty()) {
+    for (int i = 0; i < device_count(); ++i)
+      gens.push_back(at::make_generator<TpuGenerator>(static_cast<c10::DeviceIndex>(i)));
+  }
+  check_device_index(device);
+  return gens[device];
+}
+
+RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint64_t count) {
+  at::Generator g = gen && gen->defined() ? *gen : default_generator(device);
+  std::lock_guard<std::mutex> lock(g.mutex());
+  auto* impl = g.get<TpuGenerator>();
+  TORCH_CHECK(impl, "expected a tpu generator, got one for ", g.device());
+  RngDraw draw{impl->seed_, impl->offset_};
+  impl->offset_ += (count + 3) / 4 * 4;  // Threefry hands out 4 words per counter block
+  return draw;
+}
+
+}  // namespace torch_pjrt

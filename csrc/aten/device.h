@@ -1,0 +1,54 @@
+// The `tpu` device as PyTorch sees it: the runtime (plugin + client), the
+// storage a tensor points at, and the default RNG generators.
+#pragma once
+#include <ATen/core/Generator.h>
+#include <c10/core/Storage.h>
+
+#include <string>
+
+#include "graph/compile_cache.h"
+#include "pjrt/client.h"
+
+namespace torch_pjrt {
+
+// What a `tpu` storage holds: a PJRT buffer (null until first written; reads
+// of it see zeros) and the storage's size in bytes. The buffer may be of any
+// element type and shorter than nbytes after a resize; views reinterpret it.
+struct StorageState {
+  pjrt::BufferPtr buffer;
+  size_t nbytes = 0;
+  int device = 0;
+};
+
+StorageState& storage_state(const c10::Storage& storage);
+
+enum class Mode { Debug, Strict };
+Mode mode();
+void set_mode(Mode mode);
+
+// The runtime is created on first use from the configured plugin.
+void configure_plugin(const std::string& path);
+const std::string& plugin_path();
+pjrt::Client& client();
+graph::CompileCache& compile_cache();
+bool runtime_started();
+
+int device_count();
+int current_device();
+void set_current_device(int index);
+void check_device_index(int64_t index);
+
+// Bytes held by live storages on `device` (current and peak).
+int64_t memory_allocated(int device);
+int64_t max_memory_allocated(int device);
+void reset_peak_memory(int device);
+
+// Counter-based RNG: a (seed, offset) pair; each draw takes a fresh offset.
+struct RngDraw {
+  uint64_t seed;
+  uint64_t offset;
+};
+RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint64_t count);
+const at::Generator& default_generator(int device);
+
+}  // namespace torch_pjrt

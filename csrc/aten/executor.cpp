@@ -1,0 +1,793 @@
+#include "aten/executor.h"
+
+#include <ATen/ATen.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/TypeProperties.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "aten/device.h"
+#include "aten/lowering.h"
+#include "graph/metrics.h"
+#include "graph/strided_view.h"
+#include "pjrt/error.h"
+
+namespace torch_pjrt {
+namespace {
+
+using graph::metrics;
+using lowering::OutputMeta;
+using lowering::Value;
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+
+// ---- dtype mapping --------------------------------------------------------
+
+std::optional<ElementType> element_of(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return ElementType::Pred;
+    case at::kChar: return ElementType::S8;
+    case at::kShort: return ElementType::S16;
+    case at::kInt: return ElementType::S32;
+    case at::kLong: return ElementType::S64;
+    case at::kByte: return ElementType::U8;
+    case at::kUInt16: return ElementType::U16;
+    case at::kUInt32: return ElementType::U32;
+    case at::kUInt64: return ElementType::U64;
+    case at::kHalf: return ElementType::F16;
+    case at::kBFloat16: return ElementType::BF16;
+    case at::kFloat: return ElementType::F32;
+    case at::kDouble: return ElementType::F64;
+    default: return std::nullopt;
+  }
+}
+
+at::ScalarType scalar_type_of(ElementType e) {
+  switch (e) {
+    case ElementType::Pred: return at::kBool;
+    case ElementType::S8: return at::kChar;
+    case ElementType::S16: return at::kShort;
+    case ElementType::S32: return at::kInt;
+    case ElementType::S64: return at::kLong;
+    case ElementType::U8: return at::kByte;
+    case ElementType::U16: return at::kUInt16;
+    case ElementType::U32: return at::kUInt32;
+    case ElementType::U64: return at::kUInt64;
+    case ElementType::F16: return at::kHalf;
+    case ElementType::BF16: return at::kBFloat16;
+    case ElementType::F32: return at::kFloat;
+    case ElementType::F64: return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+ElementType element_or_throw(at::ScalarType t) {
+  auto e = element_of(t);
+  TORCH_CHECK(e, "tpu tensors do not support dtype ", t);
+  return *e;
+}
+
+// ---- pending work ---------------------------------------------------------
+
+std::mutex g_pending_mutex;
+std::deque<std::unique_ptr<pjrt::Event>> g_pending;
+
+void track(std::unique_ptr<pjrt::Event> done) {
+  if (!done) return;
+  if (mode() == Mode::Debug) {
+    done->wait();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  while (!g_pending.empty() && g_pending.front()->is_ready()) {
+    auto ready = std::move(g_pending.front());
+    g_pending.pop_front();
+    ready->wait();  // surfaces a failure of an earlier async program
+  }
+  g_pending.push_back(std::move(done));
+}
+
+// Host values of Scalar operands are few and repeat (alpha=1, lr): keep their
+// device buffers instead of uploading one per op.
+pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
+  static std::unordered_map<std::string, pjrt::BufferPtr> cache;
+  unsigned char bytes[8] = {0};
+  switch (e) {
+    case ElementType::Pred: bytes[0] = s.toBool(); break;
+    case ElementType::S8: { int8_t v = s.toChar(); std::memcpy(bytes, &v, 1); break; }
+    case ElementType::S16: { int16_t v = s.toShort(); std::memcpy(bytes, &v, 2); break; }
+    case ElementType::S32: { int32_t v = s.toInt(); std::memcpy(bytes, &v, 4); break; }
+    case ElementType::S64: { int64_t v = s.toLong(); std::memcpy(bytes, &v, 8); break; }
+    case ElementType::U8: { uint8_t v = s.toByte(); std::memcpy(bytes, &v, 1); break; }
+    case ElementType::U16: { uint16_t v = s.toUInt16(); std::memcpy(bytes, &v, 2); break; }
+    case ElementType::U32: { uint32_t v = s.toUInt32(); std::memcpy(bytes, &v, 4); break; }
+    case ElementType::U64: { uint64_t v = s.toUInt64(); std::memcpy(bytes, &v, 8); break; }
+    case ElementType::F16: { at::Half v = s.toHalf(); std::memcpy(bytes, &v, 2); break; }
+    case ElementType::BF16: { at::BFloat16 v = s.toBFloat16(); std::memcpy(bytes, &v, 2); break; }
+    case ElementType::F32: { float v = s.toFloat(); std::memcpy(bytes, &v, 4); break; }
+    case ElementType::F64: { double v = s.toDouble(); std::memcpy(bytes, &v, 8); break; }
+  }
+  std::string key(reinterpret_cast<char*>(bytes), 8);
+  key += static_cast<char>(e);
+  key += std::to_string(device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto buf = client().buffer_from_host(bytes, e, {}, device);
+  metrics().host_to_device_bytes += static_cast<int64_t>(byte_size(e));
+  if (cache.size() > 4096) cache.clear();
+  cache.emplace(std::move(key), buf);
+  return buf;
+}
+
+pjrt::BufferPtr upload(const at::Tensor& cpu, int device) {
+  at::Tensor dense = cpu.contiguous();
+  ElementType e = element_or_throw(dense.scalar_type());
+  std::vector<int64_t> dims(dense.sizes().begin(), dense.sizes().end());
+  metrics().host_to_device_bytes += static_cast<int64_t>(dense.nbytes());
+  return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
+}
+
+// ---- signatures -----------------------------------------------------------
+
+// Where an operand of a cached program comes from, replayed on every call.
+struct OperandRef {
+  enum Kind { Storage, Host, Scalar, Rng } kind;
+  int arg = 0;
+  int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
+  ElementType element = ElementType::F32;
+  uint64_t count = 0;  // random numbers drawn, for Rng
+};
+
+struct OutputPlan {
+  bool write = false;  // true: replaces the storage of argument `arg`
+  int arg = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> dims;
+};
+
+struct CachedOp {
+  pjrt::ExecutablePtr exe;
+  std::vector<OperandRef> operands;
+  std::vector<OutputPlan> outputs;
+  std::vector<int> return_counts;  // tensors per schema return; -1: a Tensor[] of any length
+};
+
+// Every argument of a call, with the schema facts the executor needs.
+struct Call {
+  const c10::OperatorHandle& op;
+  const c10::FunctionSchema& schema;
+  std::vector<c10::IValue> args;
+  std::vector<int> written;  // argument indices the op writes (in-place / out=)
+  int device = -1;
+};
+
+bool is_scalar_arg(const c10::Argument& a) {
+  auto kind = a.type()->kind();
+  if (kind == c10::TypeKind::OptionalType) kind = a.type()->castRaw<c10::OptionalType>()->getElementType()->kind();
+  return kind == c10::TypeKind::NumberType;
+}
+
+at::Tensor item_tensor(const c10::IValue& v, int item) {
+  if (item < 0) return v.toTensor();
+  if (v.isTensorList()) return v.toTensorList().get(item);
+  auto opt = v.toList().get(item);
+  return opt.isNone() ? at::Tensor() : opt.toTensor();
+}
+
+struct KeyBuilder {
+  std::string key;
+  bool supported = true;
+  std::string why;
+  std::unordered_map<const void*, int> storages;  // aliasing pattern
+
+  void num(int64_t v) {
+    key += std::to_string(v);
+    key += ',';
+  }
+  void tensor(const at::Tensor& t, Call& call) {
+    if (!t.defined()) {
+      key += 'u';
+      return;
+    }
+    auto e = element_of(t.scalar_type());
+    if (!e) {
+      supported = false;
+      why = std::string("dtype ") + c10::toString(t.scalar_type());
+      return;
+    }
+    key += static_cast<char>('A' + static_cast<int>(*e));
+    for (int64_t s : t.sizes()) num(s);
+    if (t.device().type() == kTpu) {
+      if (call.device < 0) call.device = t.device().index();
+      TORCH_CHECK(call.device == t.device().index(), "Expected all tensors to be on the same device, but found ",
+                  "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
+      key += 't';
+      for (int64_t s : t.strides()) num(s);
+      num(t.storage_offset());
+      const StorageState& st = storage_state(t.storage());
+      num(static_cast<int64_t>(st.nbytes));
+      if (st.buffer) {
+        key += static_cast<char>('a' + static_cast<int>(st.buffer->element_type()));
+        num(st.buffer->element_count());
+      } else {
+        key += 'z';
+      }
+      auto [it, fresh] = storages.emplace(&st, static_cast<int>(storages.size()));
+      num(it->second);
+    } else if (t.device().is_cpu()) {
+      key += t.unsafeGetTensorImpl()->is_wrapped_number() ? 'w' : 'c';
+    } else {
+      supported = false;
+      why = "a tensor on " + t.device().str();
+    }
+  }
+  void value(const c10::IValue& v, const c10::Argument& a, bool bake_scalars, Call& call) {
+    if (v.isNone()) {
+      key += 'N';
+    } else if (v.isTensor()) {
+      tensor(v.toTensor(), call);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      key += 'L';
+      num(static_cast<int64_t>(list.size()));
+      for (size_t i = 0; i < list.size(); ++i) tensor(list.get(i), call);
+    } else if (v.isList() && a.type()->str().find("Tensor") != std::string::npos) {
+      auto list = v.toList();
+      key += 'O';
+      num(static_cast<int64_t>(list.size()));
+      for (size_t i = 0; i < list.size(); ++i) {
+        auto item = list.get(i);
+        if (item.isNone()) key += 'N';
+        else tensor(item.toTensor(), call);
+      }
+    } else if (is_scalar_arg(a) && !bake_scalars) {
+      key += v.isDouble() ? 'f' : v.isBool() ? 'b' : v.isInt() ? 'i' : '?';
+      if (v.isComplexDouble()) {
+        supported = false;
+        why = "a complex scalar";
+      }
+    } else if (v.isInt()) {
+      key += 'i';
+      num(v.toInt());
+    } else if (v.isDouble()) {
+      double d = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &d, 8);
+      key += 'd';
+      num(bits);
+    } else if (v.isBool()) {
+      key += v.toBool() ? "T" : "F";
+    } else if (v.isString()) {
+      key += 's';
+      key += v.toStringRef();
+      key += ',';
+    } else if (v.isIntList()) {
+      key += 'l';
+      for (int64_t x : v.toIntVector()) num(x);
+      key += ']';
+    } else if (v.isDevice()) {
+      key += 'D';
+      key += v.toDevice().str();
+    } else if (v.isGenerator()) {
+      key += 'G';
+    } else if (v.isList()) {
+      key += 'l';
+      for (const auto& x : v.toList()) {
+        if (x.isInt()) num(x.toInt());
+        else if (x.isDouble()) num(static_cast<int64_t>(x.toDouble() * 1e6));
+        else if (x.isBool()) num(x.toBool());
+        else { supported = false; why = "an argument of type " + a.type()->str(); }
+      }
+      key += ']';
+    } else {
+      supported = false;
+      why = "an argument of type " + a.type()->str();
+    }
+    key += '|';
+  }
+};
+
+// ---- meta inference -------------------------------------------------------
+
+at::Tensor meta_like(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  at::Tensor m = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) m.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return m;
+}
+
+c10::IValue meta_value(const c10::IValue& v) {
+  if (v.isTensor()) return meta_like(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(meta_like(t));
+    return out;
+  }
+  if (v.isList()) {
+    auto list = v.toList();
+    if (list.size() > 0 && (list.get(0).isTensor() || list.get(0).isNone())) {
+      c10::List<std::optional<at::Tensor>> out;
+      for (size_t i = 0; i < list.size(); ++i) {
+        auto item = list.get(i);
+        out.push_back(item.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(meta_like(item.toTensor())));
+      }
+      return out;
+    }
+  }
+  return v;
+}
+
+struct MetaResult {
+  std::vector<OutputMeta> outputs;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<int> return_counts;
+};
+
+// Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
+MetaResult infer_meta(const Call& call) {
+  torch::jit::Stack stack;
+  std::vector<c10::IValue> metas;
+  for (const auto& v : call.args) {
+    metas.push_back(meta_value(v));
+    stack.push_back(metas.back());
+  }
+  call.op.callBoxed(&stack);
+  MetaResult r;
+  auto add = [&](const at::Tensor& t) {
+    r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
+    r.dtypes.push_back(t.scalar_type());
+  };
+  if (!call.written.empty()) {
+    for (int a : call.written) add(metas[a].toTensor());
+    for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
+    return r;
+  }
+  for (const auto& v : stack) {
+    if (v.isTensor()) {
+      add(v.toTensor());
+      r.return_counts.push_back(1);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (const at::Tensor& t : list) add(t);
+      r.return_counts.push_back(-static_cast<int>(list.size()) - 1);
+    } else {
+      throw lowering::Unsupported("returns a non-tensor value");
+    }
+  }
+  return r;
+}
+
+// ---- the lowering context over a real call --------------------------------
+
+class CallContext final : public lowering::Context {
+ public:
+  CallContext(lowering::Builder& b, Call& call, const MetaResult& meta, bool bake)
+      : Context(b), call_(call), meta_(meta), bake_(bake) {}
+
+  std::vector<OperandRef> operands;
+
+  int index(std::string_view name) const {
+    auto i = call_.schema.argumentIndexWithName(name);
+    if (!i) throw lowering::Unsupported("internal: " + call_.schema.name() + " has no argument '" + std::string(name) + "'");
+    return static_cast<int>(*i);
+  }
+  const c10::IValue& arg(std::string_view name) const { return call_.args[index(name)]; }
+
+  bool has(std::string_view name) const override {
+    auto i = call_.schema.argumentIndexWithName(name);
+    return i && !call_.args[*i].isNone();
+  }
+
+  bool is_tensor(std::string_view name) const override {
+    auto i = call_.schema.argumentIndexWithName(name);
+    return i && call_.args[*i].isTensor();
+  }
+
+  // The whole storage of a tpu tensor as a parameter, once per storage.
+  std::optional<Value> storage_param(const at::Tensor& t, int arg, int item) {
+    const StorageState& st = storage_state(t.storage());
+    if (!st.buffer) return std::nullopt;
+    auto it = storage_params_.find(&st);
+    if (it != storage_params_.end()) return it->second;
+    Value p = b.parameter(lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
+    operands.push_back(OperandRef{OperandRef::Storage, arg, item});
+    storage_params_.emplace(&st, p);
+    return p;
+  }
+
+  graph::StridedView view_of(const at::Tensor& t) const {
+    return graph::StridedView{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end()),
+                              lowering::Dims(t.strides().begin(), t.strides().end()), t.storage_offset()};
+  }
+  int64_t storage_count(const at::Tensor& t) const {
+    return static_cast<int64_t>(storage_state(t.storage()).nbytes / t.element_size());
+  }
+
+  Value value_of(const at::Tensor& t, int arg, int item) {
+    auto key = std::make_pair(arg, item);
+    auto it = values_.find(key);
+    if (it != values_.end()) return it->second;
+    Value v;
+    if (t.device().type() == kTpu) {
+      graph::StridedView view = view_of(t);
+      Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
+      v = graph::read_view(b, flat, view);
+    } else {
+      v = b.parameter(lowering::TensorType{element_or_throw(t.scalar_type()),
+                                           lowering::Dims(t.sizes().begin(), t.sizes().end())});
+      operands.push_back(OperandRef{OperandRef::Host, arg, item});
+    }
+    values_.emplace(key, v);
+    return v;
+  }
+
+  Value tensor(std::string_view name) override {
+    int i = index(name);
+    if (!call_.args[i].isTensor()) throw lowering::Unsupported(std::string(name) + " is not a tensor");
+    return value_of(call_.args[i].toTensor(), i, -1);
+  }
+
+  std::vector<std::optional<Value>> tensor_list(std::string_view name) override {
+    int i = index(name);
+    const auto& v = call_.args[i];
+    std::vector<std::optional<Value>> out;
+    size_t n = v.isTensorList() ? v.toTensorList().size() : v.toList().size();
+    for (size_t k = 0; k < n; ++k) {
+      at::Tensor t = item_tensor(v, static_cast<int>(k));
+      if (t.defined()) out.push_back(value_of(t, i, static_cast<int>(k)));
+      else out.push_back(std::nullopt);
+    }
+    return out;
+  }
+
+  Value scalar(std::string_view name, ElementType as) override {
+    int i = index(name);
+    operands.push_back(OperandRef{OperandRef::Scalar, i, -1, as});
+    return b.parameter(lowering::TensorType{as, {}});
+  }
+  ElementType scalar_kind(std::string_view name) const override {
+    const auto& v = arg(name);
+    return v.isDouble() ? ElementType::F64 : v.isBool() ? ElementType::Pred : ElementType::S64;
+  }
+  double scalar_value(std::string_view name) const override {
+    if (!bake_) throw lowering::Unsupported("internal: scalar_value needs a lowering registered with bake_scalars");
+    return arg(name).toScalar().toDouble();
+  }
+  int64_t int_arg(std::string_view name) const override { return arg(name).toInt(); }
+  double float_arg(std::string_view name) const override { return arg(name).toDouble(); }
+  bool bool_arg(std::string_view name) const override { return arg(name).toBool(); }
+  lowering::Dims int_list(std::string_view name) const override {
+    const auto& v = arg(name);
+    if (v.isInt()) return {v.toInt()};
+    return v.toIntVector();
+  }
+  std::string string_arg(std::string_view name) const override { return arg(name).toStringRef(); }
+  ElementType tensor_element(std::string_view name) const override {
+    return element_or_throw(arg(name).toTensor().scalar_type());
+  }
+  lowering::Dims tensor_dims(std::string_view name) const override {
+    auto s = arg(name).toTensor().sizes();
+    return lowering::Dims(s.begin(), s.end());
+  }
+  size_t output_count() const override { return meta_.outputs.size(); }
+  const OutputMeta& output(size_t i) const override { return meta_.outputs.at(i); }
+
+  ElementType promoted(const std::vector<std::string_view>& names) const override {
+    at::native::ResultTypeState state{};
+    for (auto name : names) {
+      const auto& v = arg(name);
+      if (v.isTensor()) state = at::native::update_result_type_state(v.toTensor(), state);
+      else if (v.isScalar()) state = at::native::update_result_type_state(v.toScalar(), state);
+    }
+    return element_or_throw(at::native::result_type(state));
+  }
+
+  Value rng_state(int64_t count) override {
+    auto i = call_.schema.argumentIndexWithName("generator");
+    operands.push_back(OperandRef{OperandRef::Rng, i ? static_cast<int>(*i) : -1, -1, ElementType::U64,
+                                  static_cast<uint64_t>(count)});
+    return b.parameter(lowering::TensorType{ElementType::U64, {2}});
+  }
+
+ private:
+  Call& call_;
+  const MetaResult& meta_;
+  bool bake_;
+  std::unordered_map<const StorageState*, Value> storage_params_;
+  std::map<std::pair<int, int>, Value> values_;
+};
+
+// ---- building and running ---------------------------------------------------
+
+std::string op_name(const c10::FunctionSchema& s) {
+  std::string name = s.name();
+  if (!s.overload_name().empty()) name += "." + s.overload_name();
+  return name;
+}
+
+std::string base_name(const c10::FunctionSchema& s) {
+  std::string name = s.name();
+  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
+  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
+  return name;
+}
+
+void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
+  for (const auto& p : plans) {
+    if (!p.write) continue;
+    at::Tensor t = call.args[p.arg].toTensor();
+    if (!t.sizes().equals(p.dims)) t.resize_(p.dims);
+  }
+}
+
+std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry) {
+  MetaResult meta = infer_meta(call);
+  auto cached = std::make_shared<CachedOp>();
+  cached->return_counts = meta.return_counts;
+  for (size_t i = 0; i < meta.outputs.size(); ++i) {
+    OutputPlan p;
+    p.write = !call.written.empty();
+    p.arg = p.write ? call.written[i] : 0;
+    p.dtype = meta.dtypes[i];
+    p.dims = meta.outputs[i].dims;
+    cached->outputs.push_back(p);
+  }
+  resize_outputs(call, cached->outputs);
+
+  lowering::Builder b;
+  CallContext ctx(b, call, meta, entry.bake_scalars);
+  std::vector<Value> results = entry.fn(ctx);
+  if (results.size() != meta.outputs.size())
+    throw lowering::Unsupported("internal: lowering returned " + std::to_string(results.size()) + " values, expected " +
+                                std::to_string(meta.outputs.size()));
+  std::vector<Value> program_outputs;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const OutputMeta& m = meta.outputs[i];
+    Value r = b.convert(results[i], m.element);
+    if (r.dims() != m.dims) {
+      // In-place ops may produce a broadcastable shape; anything else is a bug.
+      if (r.type.element_count() == lowering::TensorType{m.element, m.dims}.element_count() || r.rank() <= static_cast<int64_t>(m.dims.size()))
+        r = lowering::broadcast_to(b, r, m.dims);
+      else
+        throw lowering::Unsupported("internal: lowering produced shape " + r.type.str());
+    }
+    if (cached->outputs[i].write) {
+      at::Tensor target = call.args[cached->outputs[i].arg].toTensor();
+      graph::StridedView view = ctx.view_of(target);
+      int64_t count = ctx.storage_count(target);
+      bool covers_all = view.is_dense_row_major() && view.offset == 0 && view.numel() == count;
+      Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
+                              : graph::storage_as(b, ctx.storage_param(target, cached->outputs[i].arg, -1),
+                                                  view.element, count);
+      program_outputs.push_back(graph::write_view(b, flat, r, view));
+    } else {
+      program_outputs.push_back(b.reshape(r, {r.type.element_count()}));
+    }
+  }
+  cached->operands = std::move(ctx.operands);
+  cached->exe = compile_cache().get_or_compile(b.finish(program_outputs), call.device);
+  return cached;
+}
+
+void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
+  std::vector<pjrt::BufferPtr> holders;
+  std::vector<pjrt::Buffer*> buffers;
+  for (const OperandRef& ref : cached.operands) {
+    pjrt::BufferPtr buf;
+    switch (ref.kind) {
+      case OperandRef::Storage:
+        buf = storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
+        break;
+      case OperandRef::Host:
+        buf = upload(item_tensor(call.args[ref.arg], ref.item), call.device);
+        break;
+      case OperandRef::Scalar:
+        buf = scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
+        break;
+      case OperandRef::Rng: {
+        std::optional<at::Generator> gen;
+        if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
+        RngDraw draw = next_rng_draw(gen, call.device, ref.count);
+        uint64_t state[2] = {draw.seed, draw.offset};
+        buf = client().buffer_from_host(state, ElementType::U64, {2}, call.device);
+        break;
+      }
+    }
+    buffers.push_back(buf.get());
+    holders.push_back(std::move(buf));
+  }
+  auto result = cached.exe->execute(buffers);
+  ++metrics().executions;
+  ++metrics().lowered_ops[op_name(call.schema)];
+
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < cached.outputs.size(); ++i) {
+    const OutputPlan& p = cached.outputs[i];
+    at::Tensor t = p.write ? call.args[p.arg].toTensor()
+                           : at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device));
+    storage_state(t.storage()).buffer = result.outputs[i];
+    outs.push_back(t);
+  }
+  track(std::move(result.done));
+
+  torch::jit::drop(*stack, nargs);
+  size_t next = 0;
+  for (int count : cached.return_counts) {
+    if (count == 1) {
+      stack->push_back(outs[next++]);
+    } else {
+      std::vector<at::Tensor> list(outs.begin() + next, outs.begin() + next + (-count - 1));
+      next += list.size();
+      stack->push_back(c10::IValue(list));
+    }
+  }
+}
+
+std::mutex g_cache_mutex;
+std::unordered_map<std::string, std::shared_ptr<CachedOp>> g_op_cache;
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
+  std::string name = op_name(op.schema());
+  static std::set<std::string> warned;
+  if (warned.insert(name).second) {
+    TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
+               "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");
+  }
+  ++metrics().cpu_fallbacks[name];
+  at::native::cpu_fallback(op, stack);
+}
+
+// Returns false (stack untouched) when the op must run elsewhere.
+bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
+  const auto& schema = op.schema();
+  const lowering::LoweringEntry* entry = lowering::find_lowering(base_name(schema));
+  if (!entry) {
+    *why = "no lowering";
+    return false;
+  }
+  size_t nargs = schema.arguments().size();
+  Call call{op, schema, std::vector<c10::IValue>(stack->end() - nargs, stack->end()), {}, -1};
+  for (size_t i = 0; i < nargs; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias && alias->isWrite()) {
+      if (!call.args[i].isTensor()) {
+        *why = "writes a list of tensors";
+        return false;
+      }
+      call.written.push_back(static_cast<int>(i));
+    }
+  }
+  KeyBuilder kb;
+  kb.key = op_name(schema);
+  kb.key += '#';
+  for (size_t i = 0; i < nargs; ++i) {
+    kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
+    if (!kb.supported) {
+      *why = kb.why;
+      return false;
+    }
+  }
+  if (call.device < 0) call.device = current_device();
+
+  std::shared_ptr<CachedOp> cached;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    auto it = g_op_cache.find(kb.key);
+    if (it != g_op_cache.end()) cached = it->second;
+  }
+  if (cached) {
+    ++metrics().op_cache_hits;
+    resize_outputs(call, cached->outputs);
+  } else {
+    ++metrics().op_cache_misses;
+    try {
+      cached = build(call, *entry);
+    } catch (const lowering::Unsupported& e) {
+      *why = e.what();
+      return false;
+    } catch (const c10::NotImplementedError& e) {
+      *why = "no meta kernel";
+      return false;
+    } catch (const pjrt::Error& e) {
+      *why = std::string("lowering failed: ") + e.what();
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_op_cache.emplace(kb.key, cached);
+  }
+  execute(call, *cached, stack, nargs);
+  return true;
+}
+
+const c10::OperatorHandle& find_op(const char* name, const char* overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+}
+
+void run_or_throw(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  std::string why;
+  if (!run_lowered(op, stack, &why)) cpu_fallback(op, stack, why);
+}
+
+}  // namespace
+
+void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  std::string why;
+  try {
+    if (run_lowered(op, stack, &why)) return;
+  } catch (const pjrt::Error& e) {
+    TORCH_CHECK(false, op_name(op.schema()), " failed on the tpu device: ", e.what());
+  }
+  cpu_fallback(op, stack, why);
+}
+
+at::Tensor to_host(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
+  at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
+  if (t.numel() == 0) return out;
+  const StorageState& st = storage_state(t.storage());
+  if (!st.buffer) return out.zero_();
+  ElementType e = element_or_throw(t.scalar_type());
+  bool direct = t.is_contiguous() && t.storage_offset() == 0 && st.buffer->element_type() == e &&
+                st.buffer->element_count() == t.numel();
+  if (!direct) {
+    torch::jit::Stack stack{t, c10::IValue()};
+    static const auto& clone = find_op("aten::clone", "");
+    run_or_throw(clone, &stack);
+    return to_host(stack.back().toTensor());
+  }
+  try {
+    st.buffer->to_host(out.mutable_data_ptr());
+  } catch (const pjrt::Error& e) {
+    TORCH_CHECK(false, "reading a tpu tensor failed: ", e.what());
+  }
+  metrics().device_to_host_bytes += static_cast<int64_t>(out.nbytes());
+  return out;
+}
+
+void copy_into(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.device().type() != kTpu) {
+    at::Tensor host = to_host(src);
+    dst.copy_(host);
+    return;
+  }
+  at::Tensor source = src;
+  if (src.device().type() == kTpu && src.device() != dst.device()) source = to_host(src);
+  StorageState& st = storage_state(dst.storage());
+  bool whole = dst.is_contiguous() && dst.storage_offset() == 0 &&
+               static_cast<size_t>(dst.numel()) * dst.element_size() == st.nbytes;
+  if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
+    // The common `.to("tpu")`: upload straight into the storage.
+    st.buffer = upload(source.to(dst.scalar_type()), dst.device().index());
+    return;
+  }
+  torch::jit::Stack stack{dst, source, false};
+  static const auto& copy = find_op("aten::copy_", "");
+  std::string why;
+  bool ok = false;
+  try {
+    ok = run_lowered(copy, &stack, &why);
+  } catch (const pjrt::Error& e) {
+    TORCH_CHECK(false, "copy to the tpu device failed: ", e.what());
+  }
+  TORCH_CHECK(ok, "copy to the tpu device is not supported: ", why);
+}
+
+void synchronize() {
+  std::deque<std::unique_ptr<pjrt::Event>> pending;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    pending.swap(g_pending);
+  }
+  try {
+    for (auto& e : pending) e->wait();
+  } catch (const pjrt::Error& e) {
+    TORCH_CHECK(false, "a tpu program failed: ", e.what());
+  }
+}
+
+}  // namespace torch_pjrt

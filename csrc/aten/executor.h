@@ -1,0 +1,19 @@
+// Runs PyTorch ops on the device: every op without a dedicated kernel comes
+// through `lowered_fallback`, which finds its lowering, compiles the program
+// once per op signature and executes it; ops without a lowering run on the CPU.
+#pragma once
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace torch_pjrt {
+
+void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
+
+// dst.copy_(src) where either side is a tpu tensor; broadcasts and casts.
+void copy_into(const at::Tensor& dst, const at::Tensor& src);
+// A dense CPU copy of a tpu tensor (waits for the device).
+at::Tensor to_host(const at::Tensor& tensor);
+// Waits for all work enqueued so far to finish.
+void synchronize();
+
+}  // namespace torch_pjrt

@@ -1,0 +1,103 @@
+// The interface between PyTorch ops and their StableHLO lowerings. It holds no
+// torch types, so lowerings compile without ATen headers: the executor
+// (executor.cpp) implements Context over a real op call.
+//
+// A lowering is written for the functional form of an op. The executor runs it
+// for the in-place (`add_`) and out= (`add.out`) forms too, converting each
+// result to the output's dtype and writing it into the target tensor.
+#pragma once
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hlo/builder.h"
+
+namespace torch_pjrt::lowering {
+
+using hlo::Builder;
+using hlo::Dims;
+using hlo::TensorType;
+using hlo::Value;
+
+struct OutputMeta {
+  ElementType element;
+  Dims dims;
+};
+
+// Argument access goes by the name in the op's schema ("self", "other", "dim").
+class Context {
+ public:
+  explicit Context(Builder& builder) : b(builder) {}
+  virtual ~Context() = default;
+  Builder& b;
+
+  virtual bool has(std::string_view name) const = 0;  // present and not None
+  virtual bool is_tensor(std::string_view name) const = 0;
+  virtual Value tensor(std::string_view name) = 0;
+  virtual std::vector<std::optional<Value>> tensor_list(std::string_view name) = 0;  // Tensor[] or Tensor?[]
+  // A Scalar argument as a 0-d value of `as`: a runtime operand, so changing
+  // its value (a learning rate, a step count) never recompiles.
+  virtual Value scalar(std::string_view name, ElementType as) = 0;
+  virtual ElementType scalar_kind(std::string_view name) const = 0;  // S64, F64 or Pred
+  virtual double scalar_value(std::string_view name) const = 0;        // baked: only for shape-like uses
+  virtual int64_t int_arg(std::string_view name) const = 0;
+  virtual double float_arg(std::string_view name) const = 0;
+  virtual bool bool_arg(std::string_view name) const = 0;
+  virtual Dims int_list(std::string_view name) const = 0;
+  virtual std::string string_arg(std::string_view name) const = 0;
+  virtual ElementType tensor_element(std::string_view name) const = 0;
+  virtual Dims tensor_dims(std::string_view name) const = 0;
+
+  // What PyTorch's meta kernel says the outputs are.
+  virtual size_t output_count() const = 0;
+  virtual const OutputMeta& output(size_t i) const = 0;
+  // torch.result_type over these arguments (tensors and scalars).
+  virtual ElementType promoted(const std::vector<std::string_view>& names) const = 0;
+  // Threefry state ui64[2] from the op's generator (or the default one), which
+  // advances by `count` so every draw is fresh and reproducible.
+  virtual Value rng_state(int64_t count) = 0;
+};
+
+using LoweringFn = std::vector<Value> (*)(Context&);
+
+struct LoweringEntry {
+  LoweringFn fn;
+  bool bake_scalars = false;  // Scalar values decide shapes (arange): key on them
+};
+
+// Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
+// add.out); null if there is none.
+const LoweringEntry* find_lowering(std::string_view base_name);
+std::vector<std::string> lowered_op_names();
+
+// Helpers shared by the lowering families.
+Dims broadcast_shape(const Dims& a, const Dims& b);
+Value broadcast_to(Builder& b, const Value& x, const Dims& dims);  // numpy rules
+Value to(Builder& b, const Value& x, ElementType element, const Dims& dims);  // convert + broadcast
+int64_t wrap_dim(int64_t dim, int64_t rank);
+Dims all_dims(int64_t rank);
+Value zeros_like(Builder& b, const Value& x);
+Value scalar_like(Builder& b, double v, const Value& x);
+
+// Registration: each family file defines register_<family>(Table&).
+struct Table;
+void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false);
+void register_pointwise(Table&);
+void register_reduction(Table&);
+void register_linalg(Table&);
+void register_shape(Table&);
+void register_indexing(Table&);
+void register_nn(Table&);
+void register_random(Table&);
+
+}  // namespace torch_pjrt::lowering
+
+namespace torch_pjrt::lowering {
+// Thrown by a lowering for a case it does not handle; the op then runs on the
+// CPU (counted and warned), never silently wrong.
+struct Unsupported : std::runtime_error {
+  explicit Unsupported(const std::string& what) : std::runtime_error(what) {}
+};
+}  // namespace torch_pjrt::lowering

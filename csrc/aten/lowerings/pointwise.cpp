@@ -1,0 +1,481 @@
+// Elementwise ops: unary math, binary arithmetic, comparisons, logical ops,
+// where/clamp/lerp, fills and copies, and the activations with their backward.
+// Each lowering computes in the output's dtype (widened for f16/bf16) over the
+// broadcast output shape; the executor casts the result back.
+#include "aten/lowerings/common.h"
+
+namespace torch_pjrt::lowering {
+namespace {
+
+// The output's shape and the dtype math runs in.
+struct Out {
+  Dims dims;
+  ElementType element;
+  ElementType compute;
+  explicit Out(Context& c) : dims(c.output(0).dims), element(c.output(0).element), compute(widen(element)) {}
+};
+
+Value in(Context& c, const Out& o, std::string_view name = "self") { return operand(c, name, o.compute, o.dims); }
+
+template <const char* Op>
+std::vector<Value> unary(Context& c) {
+  Out o(c);
+  return {c.b.unary(Op, in(c, o))};
+}
+
+#define UNARY(name, op)          \
+  constexpr char k_##name[] = op; \
+  constexpr auto lower_##name = unary<k_##name>;
+UNARY(abs, "abs")
+UNARY(neg, "negate")
+UNARY(exp, "exponential")
+UNARY(expm1, "exponential_minus_one")
+UNARY(log, "log")
+UNARY(log1p, "log_plus_one")
+UNARY(sqrt, "sqrt")
+UNARY(rsqrt, "rsqrt")
+UNARY(sin, "sine")
+UNARY(cos, "cosine")
+UNARY(tan, "tan")
+UNARY(tanh, "tanh")
+UNARY(sigmoid, "logistic")
+UNARY(ceil, "ceil")
+UNARY(floor, "floor")
+UNARY(round, "round_nearest_even")
+UNARY(sign, "sign")
+UNARY(asin, "chlo.asin")
+UNARY(acos, "chlo.acos")
+UNARY(atan, "chlo.atan")
+UNARY(sinh, "chlo.sinh")
+UNARY(cosh, "chlo.cosh")
+UNARY(asinh, "chlo.asinh")
+UNARY(acosh, "chlo.acosh")
+UNARY(atanh, "chlo.atanh")
+UNARY(erf, "chlo.erf")
+UNARY(erfinv, "chlo.erf_inv")
+UNARY(lgamma, "chlo.lgamma")
+UNARY(digamma, "chlo.digamma")
+#undef UNARY
+
+std::vector<Value> lower_log2(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(2.0), x))};
+}
+std::vector<Value> lower_log10(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(10.0), x))};
+}
+std::vector<Value> lower_exp2(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.unary("exponential", c.b.binary("multiply", x, full(c.b, std::log(2.0), x)))};
+}
+std::vector<Value> lower_reciprocal(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("divide", full(c.b, 1, x), x)};
+}
+std::vector<Value> lower_trunc(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  if (!is_float(o.compute)) return {x};
+  return {c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::LT), c.b.unary("ceil", x), c.b.unary("floor", x))};
+}
+std::vector<Value> lower_frac(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value t = c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::LT), c.b.unary("ceil", x), c.b.unary("floor", x));
+  return {c.b.binary("subtract", x, t)};
+}
+std::vector<Value> lower_relu(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("maximum", x, full(c.b, 0, x))};
+}
+std::vector<Value> lower_bitwise_not(Context& c) {
+  Out o(c);
+  return {c.b.unary("not", in(c, o))};
+}
+std::vector<Value> lower_logical_not(Context& c) {
+  Out o(c);
+  Value x = to(c.b, c.tensor("self"), ElementType::Pred, o.dims);
+  return {c.b.unary("not", x)};
+}
+std::vector<Value> lower_isnan(Context& c) {
+  Value x = c.tensor("self");
+  if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
+  return {c.b.compare(x, x, hlo::Compare::NE)};
+}
+std::vector<Value> lower_isinf(Context& c) {
+  Value x = c.tensor("self");
+  if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
+  return {c.b.compare(c.b.unary("abs", x), full(c.b, INFINITY, x), hlo::Compare::EQ)};
+}
+std::vector<Value> lower_nan_to_num(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  if (!is_float(o.compute)) return {x};
+  double nan = c.has("nan") ? c.float_arg("nan") : 0.0;
+  double pos = c.has("posinf") ? c.float_arg("posinf") : max_finite(o.element);
+  double negv = c.has("neginf") ? c.float_arg("neginf") : -max_finite(o.element);
+  Value r = c.b.select(c.b.compare(x, x, hlo::Compare::NE), full(c.b, nan, x), x);
+  r = c.b.select(c.b.compare(r, full(c.b, INFINITY, x), hlo::Compare::EQ), full(c.b, pos, x), r);
+  return {c.b.select(c.b.compare(r, full(c.b, -INFINITY, x), hlo::Compare::EQ), full(c.b, negv, x), r)};
+}
+
+// ---- binary arithmetic ----
+
+std::vector<Value> add_or_sub(Context& c, const char* op) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  if (o.compute == ElementType::Pred) return {c.b.binary(std::string(op) == "add" ? "or" : "xor", a, b)};
+  if (c.has("alpha")) b = c.b.binary("multiply", b, operand(c, "alpha", o.compute, o.dims));
+  return {c.b.binary(op, a, b)};
+}
+std::vector<Value> lower_add(Context& c) { return add_or_sub(c, "add"); }
+std::vector<Value> lower_sub(Context& c) { return add_or_sub(c, "subtract"); }
+std::vector<Value> lower_rsub(Context& c) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  if (c.has("alpha")) a = c.b.binary("multiply", a, operand(c, "alpha", o.compute, o.dims));
+  return {c.b.binary("subtract", b, a)};
+}
+std::vector<Value> lower_mul(Context& c) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  return {c.b.binary(o.compute == ElementType::Pred ? "and" : "multiply", a, b)};
+}
+
+Value floor_divide_int(Builder& b, Value x, Value y) {
+  Value q = b.binary("divide", x, y);
+  Value r = b.binary("remainder", x, y);
+  Value zero = full(b, 0, x);
+  Value inexact = b.compare(r, zero, hlo::Compare::NE);
+  Value signs_differ = b.compare(b.compare(x, zero, hlo::Compare::LT), b.compare(y, zero, hlo::Compare::LT),
+                                 hlo::Compare::NE);
+  Value adjust = b.binary("and", inexact, signs_differ);
+  return b.select(adjust, b.binary("subtract", q, full(b, 1, q)), q);
+}
+
+std::vector<Value> lower_div(Context& c) {
+  Out o(c);
+  std::string mode = c.has("rounding_mode") ? c.string_arg("rounding_mode") : "";
+  Value a = in(c, o), b = in(c, o, "other");
+  if (mode.empty()) return {c.b.binary("divide", a, b)};
+  if (!is_float(o.compute)) return {mode == "trunc" ? c.b.binary("divide", a, b) : floor_divide_int(c.b, a, b)};
+  Value q = c.b.binary("divide", a, b);
+  if (mode == "floor") return {c.b.unary("floor", q)};
+  return {c.b.select(c.b.compare(q, full(c.b, 0, q), hlo::Compare::LT), c.b.unary("ceil", q), c.b.unary("floor", q))};
+}
+std::vector<Value> lower_floor_divide(Context& c) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  if (!is_float(o.compute)) return {floor_divide_int(c.b, a, b)};
+  return {c.b.unary("floor", c.b.binary("divide", a, b))};
+}
+std::vector<Value> lower_remainder(Context& c) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  Value r = c.b.binary("remainder", a, b);
+  Value zero = full(c.b, 0, r);
+  Value fix = c.b.binary("and", c.b.compare(r, zero, hlo::Compare::NE),
+                         c.b.compare(c.b.compare(r, zero, hlo::Compare::LT), c.b.compare(b, zero, hlo::Compare::LT),
+                                     hlo::Compare::NE));
+  return {c.b.select(fix, c.b.binary("add", r, b), r)};
+}
+template <const char* Op>
+std::vector<Value> binary(Context& c) {
+  Out o(c);
+  return {c.b.binary(Op, in(c, o), in(c, o, "other"))};
+}
+constexpr char k_fmod[] = "remainder", k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
+               k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
+
+std::vector<Value> lower_pow(Context& c) {
+  Out o(c);
+  return {c.b.binary("power", in(c, o), in(c, o, "exponent"))};
+}
+
+// fmax/fmin ignore NaN unless both are NaN.
+std::vector<Value> fmax_fmin(Context& c, const char* op) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  Value r = c.b.binary(op, a, b);
+  if (!is_float(o.compute)) return {r};
+  r = c.b.select(c.b.compare(a, a, hlo::Compare::NE), b, r);
+  return {c.b.select(c.b.compare(b, b, hlo::Compare::NE), a, r)};
+}
+std::vector<Value> lower_fmax(Context& c) { return fmax_fmin(c, "maximum"); }
+std::vector<Value> lower_fmin(Context& c) { return fmax_fmin(c, "minimum"); }
+
+std::vector<Value> logical(Context& c, const char* op) {
+  Out o(c);
+  Value a = operand(c, "self", ElementType::Pred, o.dims), b = operand(c, "other", ElementType::Pred, o.dims);
+  return {c.b.binary(op, a, b)};
+}
+std::vector<Value> lower_logical_and(Context& c) { return logical(c, "and"); }
+std::vector<Value> lower_logical_or(Context& c) { return logical(c, "or"); }
+std::vector<Value> lower_logical_xor(Context& c) { return logical(c, "xor"); }
+
+template <hlo::Compare Dir>
+std::vector<Value> compare(Context& c) {
+  Dims dims = c.output(0).dims;
+  ElementType t = c.promoted({"self", "other"});
+  return {c.b.compare(operand(c, "self", t, dims), operand(c, "other", t, dims), Dir)};
+}
+
+// ---- ternary and selection ----
+
+std::vector<Value> lower_where(Context& c) {
+  Out o(c);
+  Value cond = to(c.b, c.tensor("condition"), ElementType::Pred, o.dims);
+  return {c.b.select(cond, in(c, o), in(c, o, "other"))};
+}
+std::vector<Value> lower_clamp(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  if (c.has("min")) x = c.b.binary("maximum", x, operand(c, "min", o.compute, o.dims));
+  if (c.has("max")) x = c.b.binary("minimum", x, operand(c, "max", o.compute, o.dims));
+  return {x};
+}
+std::vector<Value> lower_clamp_min(Context& c) {
+  Out o(c);
+  return {c.b.binary("maximum", in(c, o), operand(c, "min", o.compute, o.dims))};
+}
+std::vector<Value> lower_clamp_max(Context& c) {
+  Out o(c);
+  return {c.b.binary("minimum", in(c, o), operand(c, "max", o.compute, o.dims))};
+}
+std::vector<Value> lower_lerp(Context& c) {
+  Out o(c);
+  Value a = in(c, o), e = in(c, o, "end"), w = operand(c, "weight", o.compute, o.dims);
+  Value diff = c.b.binary("subtract", e, a);
+  // PyTorch's two-sided form keeps lerp exact at both ends.
+  Value low = c.b.binary("add", a, c.b.binary("multiply", w, diff));
+  Value high = c.b.binary("subtract", e, c.b.binary("multiply", diff, c.b.binary("subtract", full(c.b, 1, w), w)));
+  return {c.b.select(c.b.compare(c.b.unary("abs", w), full(c.b, 0.5, w), hlo::Compare::LT), low, high)};
+}
+std::vector<Value> addc(Context& c, const char* op) {
+  Out o(c);
+  Value prod = c.b.binary(op, in(c, o, "tensor1"), in(c, o, "tensor2"));
+  if (c.has("value")) prod = c.b.binary("multiply", prod, operand(c, "value", o.compute, o.dims));
+  return {c.b.binary("add", in(c, o), prod)};
+}
+std::vector<Value> lower_addcmul(Context& c) { return addc(c, "multiply"); }
+std::vector<Value> lower_addcdiv(Context& c) { return addc(c, "divide"); }
+std::vector<Value> lower_masked_fill(Context& c) {
+  Out o(c);
+  Value mask = to(c.b, c.tensor("mask"), ElementType::Pred, o.dims);
+  return {c.b.select(mask, operand(c, "value", o.compute, o.dims), in(c, o))};
+}
+
+// ---- fills and copies ----
+
+std::vector<Value> lower_fill(Context& c) {
+  Out o(c);
+  return {operand(c, "value", o.element, o.dims)};
+}
+std::vector<Value> lower_zero(Context& c) {
+  Out o(c);
+  return {c.b.constant(0, o.element, o.dims)};
+}
+std::vector<Value> lower_copy(Context& c) {
+  Out o(c);
+  return {to(c.b, c.tensor("src"), o.element, o.dims)};
+}
+std::vector<Value> lower_clone(Context& c) { return {c.tensor("self")}; }
+std::vector<Value> lower_to_copy(Context& c) {
+  Out o(c);
+  return {c.b.convert(c.tensor("self"), o.element)};
+}
+
+// ---- activations and their gradients ----
+
+Value erf_cdf(Builder& b, Value x) {  // 0.5 * (1 + erf(x / sqrt(2)))
+  Value e = b.unary("chlo.erf", b.binary("multiply", x, full(b, M_SQRT1_2, x)));
+  return b.binary("multiply", full(b, 0.5, x), b.binary("add", full(b, 1, x), e));
+}
+Value tanh_inner(Builder& b, Value x) {  // sqrt(2/pi) * (x + 0.044715 x^3)
+  Value x3 = b.binary("multiply", b.binary("multiply", x, x), x);
+  Value inner = b.binary("add", x, b.binary("multiply", full(b, 0.044715, x), x3));
+  return b.binary("multiply", full(b, std::sqrt(2.0 / M_PI), x), inner);
+}
+
+std::vector<Value> lower_gelu(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  bool tanh = c.has("approximate") && c.string_arg("approximate") == "tanh";
+  if (!tanh) return {c.b.binary("multiply", x, erf_cdf(c.b, x))};
+  Value t = c.b.unary("tanh", tanh_inner(c.b, x));
+  return {c.b.binary("multiply", c.b.binary("multiply", full(c.b, 0.5, x), x), c.b.binary("add", full(c.b, 1, x), t))};
+}
+std::vector<Value> lower_gelu_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  bool tanh = c.has("approximate") && c.string_arg("approximate") == "tanh";
+  if (!tanh) {
+    Value pdf = c.b.binary("multiply", full(c.b, 1.0 / std::sqrt(2.0 * M_PI), x),
+                           c.b.unary("exponential", c.b.binary("multiply", full(c.b, -0.5, x), c.b.binary("multiply", x, x))));
+    return {c.b.binary("multiply", g, c.b.binary("add", erf_cdf(c.b, x), c.b.binary("multiply", x, pdf)))};
+  }
+  Value t = c.b.unary("tanh", tanh_inner(c.b, x));
+  Value one = full(c.b, 1, x);
+  Value dinner = c.b.binary("multiply", full(c.b, std::sqrt(2.0 / M_PI), x),
+                            c.b.binary("add", one, c.b.binary("multiply", full(c.b, 3 * 0.044715, x), c.b.binary("multiply", x, x))));
+  Value left = c.b.binary("multiply", full(c.b, 0.5, x), c.b.binary("add", one, t));
+  Value right = c.b.binary("multiply", c.b.binary("multiply", full(c.b, 0.5, x), x),
+                           c.b.binary("multiply", c.b.binary("subtract", one, c.b.binary("multiply", t, t)), dinner));
+  return {c.b.binary("multiply", g, c.b.binary("add", left, right))};
+}
+std::vector<Value> lower_silu(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("multiply", x, c.b.unary("logistic", x))};
+}
+std::vector<Value> lower_silu_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value s = c.b.unary("logistic", x);
+  Value one = full(c.b, 1, x);
+  Value d = c.b.binary("multiply", s, c.b.binary("add", one, c.b.binary("multiply", x, c.b.binary("subtract", one, s))));
+  return {c.b.binary("multiply", g, d)};
+}
+std::vector<Value> lower_sigmoid_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), y = in(c, o, "output");
+  return {c.b.binary("multiply", g, c.b.binary("multiply", y, c.b.binary("subtract", full(c.b, 1, y), y)))};
+}
+std::vector<Value> lower_tanh_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), y = in(c, o, "output");
+  return {c.b.binary("multiply", g, c.b.binary("subtract", full(c.b, 1, y), c.b.binary("multiply", y, y)))};
+}
+std::vector<Value> lower_threshold(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
+  return {c.b.select(keep, x, operand(c, "value", o.compute, o.dims))};
+}
+std::vector<Value> lower_threshold_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
+  return {c.b.select(keep, g, full(c.b, 0, g))};
+}
+std::vector<Value> lower_leaky_relu(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value slope = operand(c, "negative_slope", o.compute, o.dims);
+  return {c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::GT), x, c.b.binary("multiply", x, slope))};
+}
+std::vector<Value> lower_leaky_relu_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value slope = operand(c, "negative_slope", o.compute, o.dims);
+  return {c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::GT), g, c.b.binary("multiply", g, slope))};
+}
+std::vector<Value> lower_hardtanh(Context& c) {
+  Out o(c);
+  return {c.b.clamp(operand(c, "min_val", o.compute, o.dims), in(c, o), operand(c, "max_val", o.compute, o.dims))};
+}
+std::vector<Value> lower_hardtanh_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value inside = c.b.binary("and", c.b.compare(x, operand(c, "min_val", o.compute, o.dims), hlo::Compare::GT),
+                            c.b.compare(x, operand(c, "max_val", o.compute, o.dims), hlo::Compare::LT));
+  return {c.b.select(inside, g, full(c.b, 0, g))};
+}
+Value relu6_shifted(Builder& b, Value x) {  // clamp(x + 3, 0, 6) / 6
+  Value y = b.clamp(full(b, 0, x), b.binary("add", x, full(b, 3, x)), full(b, 6, x));
+  return b.binary("divide", y, full(b, 6, x));
+}
+std::vector<Value> lower_hardsigmoid(Context& c) {
+  Out o(c);
+  return {relu6_shifted(c.b, in(c, o))};
+}
+std::vector<Value> lower_hardswish(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  return {c.b.binary("multiply", x, relu6_shifted(c.b, x))};
+}
+std::vector<Value> lower_hardsigmoid_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value inside = c.b.binary("and", c.b.compare(x, full(c.b, -3, x), hlo::Compare::GT),
+                            c.b.compare(x, full(c.b, 3, x), hlo::Compare::LT));
+  return {c.b.select(inside, c.b.binary("divide", g, full(c.b, 6, g)), full(c.b, 0, g))};
+}
+std::vector<Value> lower_hardswish_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value mid = c.b.binary("multiply", g, c.b.binary("divide", c.b.binary("add", c.b.binary("multiply", full(c.b, 2, x), x), full(c.b, 3, x)), full(c.b, 6, x)));
+  Value r = c.b.select(c.b.compare(x, full(c.b, 3, x), hlo::Compare::GT), g, mid);
+  return {c.b.select(c.b.compare(x, full(c.b, -3, x), hlo::Compare::LT), full(c.b, 0, g), r)};
+}
+std::vector<Value> lower_softplus(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value beta = operand(c, "beta", o.compute, o.dims), th = operand(c, "threshold", o.compute, o.dims);
+  Value bx = c.b.binary("multiply", x, beta);
+  Value soft = c.b.binary("divide", c.b.unary("log_plus_one", c.b.unary("exponential", bx)), beta);
+  return {c.b.select(c.b.compare(bx, th, hlo::Compare::GT), x, soft)};
+}
+std::vector<Value> lower_softplus_backward(Context& c) {
+  Out o(c);
+  Value g = in(c, o, "grad_output"), x = in(c, o);
+  Value beta = operand(c, "beta", o.compute, o.dims), th = operand(c, "threshold", o.compute, o.dims);
+  Value bx = c.b.binary("multiply", x, beta);
+  Value s = c.b.unary("logistic", bx);
+  return {c.b.select(c.b.compare(bx, th, hlo::Compare::GT), g, c.b.binary("multiply", g, s))};
+}
+std::vector<Value> lower_elu(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value alpha = operand(c, "alpha", o.compute, o.dims), scale = operand(c, "scale", o.compute, o.dims);
+  Value input_scale = operand(c, "input_scale", o.compute, o.dims);
+  Value neg = c.b.binary("multiply", alpha, c.b.unary("exponential_minus_one", c.b.binary("multiply", x, input_scale)));
+  return {c.b.binary("multiply", scale, c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::GT), x, neg))};
+}
+
+}  // namespace
+
+void register_pointwise(Table& t) {
+  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+           {"abs", lower_abs}, {"neg", lower_neg}, {"exp", lower_exp}, {"expm1", lower_expm1}, {"log", lower_log},
+           {"log1p", lower_log1p}, {"log2", lower_log2}, {"log10", lower_log10}, {"exp2", lower_exp2},
+           {"sqrt", lower_sqrt}, {"rsqrt", lower_rsqrt}, {"sin", lower_sin}, {"cos", lower_cos}, {"tan", lower_tan},
+           {"tanh", lower_tanh}, {"sigmoid", lower_sigmoid}, {"ceil", lower_ceil}, {"floor", lower_floor},
+           {"round", lower_round}, {"sign", lower_sign}, {"sgn", lower_sign}, {"asin", lower_asin},
+           {"acos", lower_acos}, {"atan", lower_atan}, {"sinh", lower_sinh}, {"cosh", lower_cosh},
+           {"asinh", lower_asinh}, {"acosh", lower_acosh}, {"atanh", lower_atanh}, {"erf", lower_erf},
+           {"erfinv", lower_erfinv}, {"lgamma", lower_lgamma}, {"digamma", lower_digamma},
+           {"reciprocal", lower_reciprocal}, {"trunc", lower_trunc}, {"fix", lower_trunc}, {"frac", lower_frac},
+           {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not}, {"logical_not", lower_logical_not},
+           {"isnan", lower_isnan}, {"isinf", lower_isinf}, {"nan_to_num", lower_nan_to_num},
+           {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
+           {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", binary<k_fmod>},
+           {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
+           {"bitwise_and", binary<k_and>}, {"bitwise_or", binary<k_or>}, {"bitwise_xor", binary<k_xor>},
+           {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},
+           {"logical_or", lower_logical_or}, {"logical_xor", lower_logical_xor},
+           {"eq", compare<hlo::Compare::EQ>}, {"ne", compare<hlo::Compare::NE>}, {"lt", compare<hlo::Compare::LT>},
+           {"le", compare<hlo::Compare::LE>}, {"gt", compare<hlo::Compare::GT>}, {"ge", compare<hlo::Compare::GE>},
+           {"where", lower_where}, {"clamp", lower_clamp}, {"clamp_min", lower_clamp_min},
+           {"clamp_max", lower_clamp_max}, {"lerp", lower_lerp}, {"addcmul", lower_addcmul},
+           {"addcdiv", lower_addcdiv}, {"masked_fill", lower_masked_fill}, {"fill", lower_fill},
+           {"zero", lower_zero}, {"copy", lower_copy}, {"clone", lower_clone}, {"_to_copy", lower_to_copy},
+           {"gelu", lower_gelu}, {"gelu_backward", lower_gelu_backward}, {"silu", lower_silu},
+           {"silu_backward", lower_silu_backward}, {"sigmoid_backward", lower_sigmoid_backward},
+           {"tanh_backward", lower_tanh_backward}, {"threshold", lower_threshold},
+           {"threshold_backward", lower_threshold_backward}, {"leaky_relu", lower_leaky_relu},
+           {"leaky_relu_backward", lower_leaky_relu_backward}, {"hardtanh", lower_hardtanh},
+           {"hardtanh_backward", lower_hardtanh_backward}, {"hardsigmoid", lower_hardsigmoid},
+           {"hardswish", lower_hardswish}, {"hardsigmoid_backward", lower_hardsigmoid_backward},
+           {"hardswish_backward", lower_hardswish_backward}, {"softplus", lower_softplus},
+           {"softplus_backward", lower_softplus_backward}, {"elu", lower_elu}})
+    add_lowering(t, name, fn);
+}
+
+}  // namespace torch_pjrt::lowering

@@ -1,0 +1,92 @@
+// The op-name -> lowering table, filled once by the family files.
+#include <algorithm>
+#include <unordered_map>
+
+#include "aten/lowering.h"
+#include "pjrt/error.h"
+
+namespace torch_pjrt::lowering {
+
+struct Table {
+  std::unordered_map<std::string, LoweringEntry> entries;
+};
+
+void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars) {
+  table.entries[name] = LoweringEntry{fn, bake_scalars};
+}
+
+namespace {
+const Table& table() {
+  static const Table t = [] {
+    Table t;
+    register_pointwise(t);
+    register_reduction(t);
+    register_linalg(t);
+    register_shape(t);
+    register_indexing(t);
+    register_nn(t);
+    register_random(t);
+    return t;
+  }();
+  return t;
+}
+}  // namespace
+
+const LoweringEntry* find_lowering(std::string_view base_name) {
+  auto it = table().entries.find(std::string(base_name));
+  return it == table().entries.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> lowered_op_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, entry] : table().entries) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Dims broadcast_shape(const Dims& a, const Dims& b) {
+  size_t rank = std::max(a.size(), b.size());
+  Dims out(rank, 1);
+  for (size_t i = 0; i < rank; ++i) {
+    int64_t da = i < rank - a.size() ? 1 : a[i - (rank - a.size())];
+    int64_t db = i < rank - b.size() ? 1 : b[i - (rank - b.size())];
+    PJRT_CHECK(da == db || da == 1 || db == 1, "shapes cannot be broadcast together");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+Value broadcast_to(Builder& b, const Value& x, const Dims& dims) {
+  if (x.dims() == dims) return x;
+  // Drop size-1 dims that must stretch, then broadcast_in_dim the rest.
+  size_t lead = dims.size() - x.dims().size();
+  Dims kept_dims, mapping;
+  for (size_t i = 0; i < x.dims().size(); ++i) {
+    if (x.dims()[i] == dims[lead + i]) {
+      kept_dims.push_back(x.dims()[i]);
+      mapping.push_back(static_cast<int64_t>(lead + i));
+    }
+  }
+  Value squeezed = b.reshape(x, kept_dims);
+  return b.broadcast_in_dim(squeezed, dims, mapping);
+}
+
+Value to(Builder& b, const Value& x, ElementType element, const Dims& dims) {
+  return broadcast_to(b, b.convert(x, element), dims);
+}
+
+int64_t wrap_dim(int64_t dim, int64_t rank) {
+  int64_t r = std::max<int64_t>(rank, 1);
+  return dim < 0 ? dim + r : dim;
+}
+
+Dims all_dims(int64_t rank) {
+  Dims d;
+  for (int64_t i = 0; i < rank; ++i) d.push_back(i);
+  return d;
+}
+
+Value zeros_like(Builder& b, const Value& x) { return b.constant(0, x.element(), x.dims()); }
+Value scalar_like(Builder& b, double v, const Value& x) { return b.constant(v, x.element(), x.dims()); }
+
+}  // namespace torch_pjrt::lowering

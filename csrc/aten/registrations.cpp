@@ -1,0 +1,145 @@
+// Kernels PrivateUse1 needs by name: allocation, metadata-only views, resize,
+// copies across devices, reading a scalar, and the boxed fallback that sends
+// every other op to its lowering (executor.cpp).
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include "aten/device.h"
+#include "aten/executor.h"
+
+namespace torch_pjrt {
+namespace {
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
+
+c10::Device tpu_device(std::optional<c10::Device> device) {
+  c10::Device d = device.value_or(c10::Device(kTpu));
+  TORCH_CHECK(d.type() == kTpu, "expected a tpu device, got ", d);
+  int index = d.has_index() ? d.index() : current_device();
+  check_device_index(index);
+  return c10::Device(kTpu, static_cast<c10::DeviceIndex>(index));
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout> layout, std::optional<c10::Device> device,
+                               std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
+  c10::DeviceGuard guard(tpu_device(device));
+  return at::detail::empty_generic(size, c10::GetAllocator(kTpu), kTpuKeys,
+                                   dtype.value_or(at::get_default_dtype_as_scalartype()), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                         std::optional<at::Layout> layout, std::optional<c10::Device> device, std::optional<bool>) {
+  TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
+  c10::DeviceGuard guard(tpu_device(device));
+  return at::detail::empty_strided_generic(size, stride, c10::GetAllocator(kTpu), kTpuKeys,
+                                           dtype.value_or(at::get_default_dtype_as_scalartype()));
+}
+
+// Grows a storage in place; the bytes past the old end read as zeros.
+void ensure_storage_bytes(const at::Tensor& self, size_t needed) {
+  const c10::Storage& storage = self.storage();
+  if (needed <= storage.nbytes()) return;
+  TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
+  storage_state(storage).nbytes = needed;
+  storage.unsafeGetStorageImpl()->set_nbytes(needed);
+}
+
+size_t bytes_needed(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offset, size_t itemsize) {
+  int64_t last = offset;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (size[i] == 0) return 0;
+    last += (size[i] - 1) * stride[i];
+  }
+  return static_cast<size_t>(last + 1) * itemsize;
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat>) {
+  for (int64_t s : size) TORCH_CHECK(s >= 0, "Trying to create tensor with negative dimension ", s, ": ", size);
+  auto* impl = self.unsafeGetTensorImpl();
+  if (self.sizes().equals(size) && self.is_contiguous()) return self;
+  impl->set_sizes_contiguous(size);
+  ensure_storage_bytes(self, bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.element_size()));
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, c10::SymInt offset, c10::SymIntArrayRef size,
+                        c10::SymIntArrayRef stride) {
+  TORCH_CHECK(source.device().type() == kTpu, "set_: expected a tpu storage, got one on ", source.device());
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(std::move(source));
+  std::vector<int64_t> sizes, strides;
+  for (const auto& s : size) sizes.push_back(s.expect_int());
+  for (const auto& s : stride) strides.push_back(s.expect_int());
+  impl->set_sizes_and_strides(sizes, strides, offset.expect_int());
+  ensure_storage_bytes(self, bytes_needed(sizes, strides, offset.expect_int(), self.element_size()));
+  return self;
+}
+
+at::Tensor& set_storage_plain(at::Tensor& self, c10::Storage source) {
+  int64_t count = static_cast<int64_t>(source.nbytes() / self.element_size());
+  c10::SymInt n(count);
+  std::vector<c10::SymInt> size{n}, stride{c10::SymInt(1)};
+  return set_storage(self, std::move(source), c10::SymInt(0), size, stride);
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.is_same(source)) return self;
+  std::vector<c10::SymInt> size(source.sym_sizes().begin(), source.sym_sizes().end());
+  std::vector<c10::SymInt> stride(source.sym_strides().begin(), source.sym_strides().end());
+  return set_storage(self, source.storage(), source.sym_storage_offset(), size, stride);
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(kTpu), true);
+  std::vector<c10::SymInt> size{c10::SymInt(0)}, stride{c10::SymInt(1)};
+  return set_storage(self, std::move(storage), c10::SymInt(0), size, stride);
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+  copy_into(dst, self);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (!dst.sizes().equals(self.sizes())) dst.resize_(self.sizes());
+  copy_into(dst, self);
+  return dst;
+}
+
+c10::Scalar local_scalar_dense(const at::Tensor& self) {
+  TORCH_CHECK(self.numel() == 1, "a Tensor with ", self.numel(), " elements cannot be converted to Scalar");
+  return to_host(self).item();
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_storage_plain);
+  m.impl("set_.source_Tensor", set_tensor);
+  m.impl("set_", set_empty);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_local_scalar_dense", local_scalar_dense);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+}
+
+}  // namespace
+}  // namespace torch_pjrt

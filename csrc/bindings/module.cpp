@@ -1,0 +1,69 @@
+// Python bindings: thin wrappers, all logic lives in the C++ layers.
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "aten/device.h"
+#include "aten/executor.h"
+#include "aten/lowering.h"
+#include "graph/metrics.h"
+
+namespace py = pybind11;
+using namespace torch_pjrt;
+
+PYBIND11_MODULE(_C, m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    } catch (const pjrt::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+  m.def("_configure_plugin", &configure_plugin);
+  m.def("_plugin_path", &plugin_path);
+  m.def("_runtime_started", &runtime_started);
+  m.def("_device_count", &device_count);
+  m.def("_current_device", &current_device);
+  m.def("_set_device", &set_current_device);
+  m.def("_synchronize", &synchronize);
+  m.def("_platform", [] {
+    auto& c = client();
+    return py::dict(py::arg("name") = c.platform_name(), py::arg("version") = c.platform_version(),
+                    py::arg("device_kind") = c.device_kind(0),
+                    py::arg("api_version") = std::to_string(c.plugin()->api_major()) + "." +
+                                             std::to_string(c.plugin()->api_minor()));
+  });
+  m.def("_set_mode", [](const std::string& name) {
+    TORCH_CHECK(name == "debug" || name == "strict", "unknown torch_pjrt mode '", name,
+                "': expected 'debug' or 'strict'");
+    set_mode(name == "debug" ? Mode::Debug : Mode::Strict);
+  });
+  m.def("_get_mode", [] { return std::string(mode() == Mode::Debug ? "debug" : "strict"); });
+  m.def("_manual_seed", [](int device, uint64_t seed) {
+    auto gen = default_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed);
+  });
+  m.def("_memory_allocated", &memory_allocated);
+  m.def("_max_memory_allocated", &max_memory_allocated);
+  m.def("_reset_peak_memory", &reset_peak_memory);
+  m.def("_lowered_ops", &lowering::lowered_op_names);
+  m.def("_metrics", [] {
+    const auto& s = graph::metrics();
+    py::dict d;
+    d["compiles"] = s.compiles;
+    d["compile_seconds"] = s.compile_seconds;
+    d["compile_cache_hits"] = s.compile_cache_hits;
+    d["op_cache_hits"] = s.op_cache_hits;
+    d["op_cache_misses"] = s.op_cache_misses;
+    d["executions"] = s.executions;
+    d["host_to_device_bytes"] = s.host_to_device_bytes;
+    d["device_to_host_bytes"] = s.device_to_host_bytes;
+    d["cpu_fallbacks"] = s.cpu_fallbacks;
+    d["lowered_ops"] = s.lowered_ops;
+    return d;
+  });
+  m.def("_reset_metrics", &graph::reset_metrics);
+}

@@ -1,0 +1,27 @@
+// Process-wide counters that explain where time goes: compiles, cache hits,
+// executions, transfers and CPU fallbacks (per op).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace torch_pjrt::graph {
+
+struct Metrics {
+  int64_t compiles = 0;
+  double compile_seconds = 0;
+  int64_t compile_cache_hits = 0;  // program text already compiled
+  int64_t op_cache_hits = 0;       // op signature seen before: no lowering at all
+  int64_t op_cache_misses = 0;
+  int64_t executions = 0;
+  int64_t host_to_device_bytes = 0;
+  int64_t device_to_host_bytes = 0;
+  std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
+  std::map<std::string, int64_t> lowered_ops;    // op name -> executions
+};
+
+Metrics& metrics();
+void reset_metrics();
+
+}  // namespace torch_pjrt::graph

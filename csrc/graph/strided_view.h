@@ -1,0 +1,32 @@
+// Tensors are (storage, offset, sizes, strides) over a flat storage buffer.
+// These functions turn a strided view of a flat 1-D storage value into a dense
+// value and back, so every program takes whole storages as inputs and returns
+// whole storages for the tensors it writes. This keeps PyTorch's storage-based
+// views exact: writing through a view updates its base.
+#pragma once
+#include <optional>
+
+#include "hlo/builder.h"
+
+namespace torch_pjrt::graph {
+
+struct StridedView {
+  ElementType element;
+  hlo::Dims sizes;
+  hlo::Dims strides;
+  int64_t offset = 0;
+  int64_t numel() const;
+  bool is_dense_row_major() const;  // contiguous, ignoring size-1 dims
+};
+
+// The storage as `count` elements of `element`: reinterprets the bytes of
+// `buffer` (any element type) and pads or trims it; zeros if there is none.
+hlo::Value storage_as(hlo::Builder& b, const std::optional<hlo::Value>& buffer, ElementType element, int64_t count);
+
+// Dense value of shape view.sizes read from flat storage `flat`.
+hlo::Value read_view(hlo::Builder& b, const hlo::Value& flat, const StridedView& view);
+
+// `flat` with the elements of `view` replaced by `value` (shape view.sizes).
+hlo::Value write_view(hlo::Builder& b, const hlo::Value& flat, const hlo::Value& value, const StridedView& view);
+
+}  // namespace torch_pjrt::graph
