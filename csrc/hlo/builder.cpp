@@ -280,7 +280,7 @@ Value Builder::dynamic_slice(Value operand, const std::vector<Value>& start_indi
               TensorType{operand.element(), sizes});
 }
 
-std::string Builder::reducer_region(Reducer reducer, ElementType type, int count) {
+std::string Builder::reducer_region(Reducer reducer, ElementType type) {
   TensorType scalar{type, {}};
   std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
   std::string r = "%v" + std::to_string(next_id_++);
@@ -293,7 +293,6 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type, int count
     case Reducer::And: op = "and"; break;
     case Reducer::Or: op = "or"; break;
   }
-  (void)count;
   std::string t = scalar.str();
   return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r + " = \"stablehlo." + op + "\"(" + a +
          ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n      \"stablehlo.return\"(" + r + ") : (" + t +

@@ -110,7 +110,7 @@ class Builder {
   std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
                                 const std::string& attributes, const std::vector<TensorType>& results,
                                 const std::string& region);
-  std::string reducer_region(Reducer reducer, ElementType type, int count = 1);
+  std::string reducer_region(Reducer reducer, ElementType type);
   int next_id_ = 0;
   std::vector<TensorType> params_;
   std::string body_;
