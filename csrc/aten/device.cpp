@@ -3,6 +3,7 @@
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/GeneratorImpl.h>

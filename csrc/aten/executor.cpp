@@ -277,7 +277,7 @@ struct KeyBuilder {
       key += 'G';
     } else if (v.isList()) {
       key += 'l';
-      for (const auto& x : v.toList()) {
+      for (const c10::IValue x : v.toList()) {
         if (x.isInt()) num(x.toInt());
         else if (x.isDouble()) num(static_cast<int64_t>(x.toDouble() * 1e6));
         else if (x.isBool()) num(x.toBool());
@@ -295,10 +295,10 @@ struct KeyBuilder {
 // ---- meta inference -------------------------------------------------------
 
 at::Tensor meta_like(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  at::Tensor m = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) m.unsafeGetTensorImpl()->set_wrapped_number(true);
-  return m;
+  // Wrapped numbers (the `1` in `x + 1`) stay CPU scalars: meta kernels accept
+  // them, and Python meta kernels turn them back into numbers.
+  if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
 }
 
 c10::IValue meta_value(const c10::IValue& v) {
@@ -704,7 +704,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   return true;
 }
 
-const c10::OperatorHandle& find_op(const char* name, const char* overload) {
+c10::OperatorHandle find_op(const char* name, const char* overload) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 

@@ -7,6 +7,7 @@
 #include "aten/executor.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
+#include "pjrt/error.h"
 
 namespace py = pybind11;
 using namespace torch_pjrt;
@@ -17,7 +18,7 @@ PYBIND11_MODULE(_C, m) {
       if (p) std::rethrow_exception(p);
     } catch (const c10::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    } catch (const pjrt::Error& e) {
+    } catch (const torch_pjrt::pjrt::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
@@ -45,6 +46,18 @@ PYBIND11_MODULE(_C, m) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(seed);
+  });
+  // The RNG state as (seed, offset); Python packs it into torch's 16-byte tensor.
+  m.def("_rng_state", [](int device) {
+    auto gen = default_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return std::make_pair(gen.current_seed(), gen.get_offset());
+  });
+  m.def("_set_rng_state", [](int device, uint64_t seed, uint64_t offset) {
+    auto gen = default_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed);
+    gen.set_offset(offset);
   });
   m.def("_memory_allocated", &memory_allocated);
   m.def("_max_memory_allocated", &max_memory_allocated);

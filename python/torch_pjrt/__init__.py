@@ -1,0 +1,90 @@
+"""torch_pjrt: the `tpu` device for PyTorch, compiled by XLA through PJRT.
+
+    import torch, torch_pjrt
+    x = torch.randn(3, device="tpu")
+
+The plugin is chosen by TORCH_PJRT_PLUGIN: 'cpu' (default), 'cuda', 'tpu' or a
+path to a PJRT plugin .so. The execution mode by TORCH_PJRT_MODE.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from . import _C
+from ._plugins import find_plugin
+from . import device_module
+
+__all__ = ["set_mode", "get_mode", "mode", "metrics", "metrics_report", "reset_metrics", "platform", "lowered_ops"]
+
+MODES = ("debug", "strict")
+
+
+def _register() -> None:
+    _C._configure_plugin(find_plugin(os.environ.get("TORCH_PJRT_PLUGIN", "cpu")))
+    torch.utils.rename_privateuse1_backend("tpu")
+    torch._register_device_module("tpu", device_module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+
+
+_register()
+
+
+def set_mode(name: str) -> None:
+    """'debug': one op at a time, waits for each and checks it; 'strict': one op at a time, asynchronous."""
+    if name not in MODES:
+        raise ValueError(f"unknown torch_pjrt mode {name!r}: expected one of {MODES}")
+    _C._set_mode(name)
+
+
+def get_mode() -> str:
+    return _C._get_mode()
+
+
+@contextlib.contextmanager
+def mode(name: str):
+    previous = get_mode()
+    set_mode(name)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+if "TORCH_PJRT_MODE" in os.environ:
+    set_mode(os.environ["TORCH_PJRT_MODE"])
+
+
+def metrics() -> dict:
+    """Counters since start (or reset_metrics()): compiles, cache hits, executions, transfers, CPU fallbacks per op."""
+    return _C._metrics()
+
+
+def reset_metrics() -> None:
+    _C._reset_metrics()
+
+
+def metrics_report() -> str:
+    m = metrics()
+    lines = [
+        f"compiles: {m['compiles']} ({m['compile_seconds']:.3f}s), compile cache hits: {m['compile_cache_hits']}",
+        f"op signatures: {m['op_cache_misses']} new, {m['op_cache_hits']} reused; executions: {m['executions']}",
+        f"transfers: {m['host_to_device_bytes']} B to device, {m['device_to_host_bytes']} B to host",
+    ]
+    if m["cpu_fallbacks"]:
+        lines.append("CPU fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(m["cpu_fallbacks"].items())))
+    else:
+        lines.append("CPU fallbacks: none")
+    return "\n".join(lines)
+
+
+def platform() -> dict:
+    """The PJRT plugin's platform name, version, device kind and C API version."""
+    return _C._platform()
+
+
+def lowered_ops() -> list:
+    """Base names of the ops lowered to StableHLO (everything else falls back to the CPU)."""
+    return _C._lowered_ops()
