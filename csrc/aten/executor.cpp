@@ -163,6 +163,9 @@ struct Call {
   const c10::FunctionSchema& schema;
   std::vector<c10::IValue> args;
   std::vector<int> written;  // argument indices the op writes (in-place / out=)
+  // True when the op returns the tensors it writes (add_, add.out); false when
+  // it writes some arguments besides its returns (batch norm's running stats).
+  bool returns_written = false;
   int device = -1;
 };
 
@@ -342,7 +345,7 @@ MetaResult infer_meta(const Call& call) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
     r.dtypes.push_back(t.scalar_type());
   };
-  if (!call.written.empty()) {
+  if (call.returns_written) {
     for (int a : call.written) add(metas[a].toTensor());
     for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
     return r;
@@ -359,6 +362,8 @@ MetaResult infer_meta(const Call& call) {
       throw lowering::Unsupported("returns a non-tensor value");
     }
   }
+  // Written arguments follow the returns: the lowering yields their new values.
+  for (int a : call.written) add(metas[a].toTensor());
   return r;
 }
 
@@ -529,10 +534,11 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
   MetaResult meta = infer_meta(call);
   auto cached = std::make_shared<CachedOp>();
   cached->return_counts = meta.return_counts;
+  size_t first_written = meta.outputs.size() - call.written.size();
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
     OutputPlan p;
-    p.write = !call.written.empty();
-    p.arg = p.write ? call.written[i] : 0;
+    p.write = i >= first_written;
+    p.arg = p.write ? call.written[i - first_written] : 0;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
     cached->outputs.push_back(p);
@@ -651,17 +657,20 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     return false;
   }
   size_t nargs = schema.arguments().size();
-  Call call{op, schema, std::vector<c10::IValue>(stack->end() - nargs, stack->end()), {}, -1};
+  Call call{op, schema, std::vector<c10::IValue>(stack->end() - nargs, stack->end()), {}, false, -1};
   for (size_t i = 0; i < nargs; ++i) {
-    const auto* alias = schema.arguments()[i].alias_info();
-    if (alias && alias->isWrite()) {
-      if (!call.args[i].isTensor()) {
-        *why = "writes a list of tensors";
-        return false;
-      }
-      call.written.push_back(static_cast<int>(i));
+    const auto& arg = schema.arguments()[i];
+    bool writes = arg.alias_info() && arg.alias_info()->isWrite();
+    for (const auto& name : entry->extra_writes) writes = writes || arg.name() == name;
+    if (!writes || call.args[i].isNone()) continue;
+    if (!call.args[i].isTensor()) {
+      *why = "writes a list of tensors";
+      return false;
     }
+    call.written.push_back(static_cast<int>(i));
   }
+  call.returns_written = !schema.returns().empty();
+  for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
   KeyBuilder kb;
   kb.key = op_name(schema);
   kb.key += '#';

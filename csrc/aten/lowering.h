@@ -65,6 +65,10 @@ using LoweringFn = std::vector<Value> (*)(Context&);
 struct LoweringEntry {
   LoweringFn fn;
   bool bake_scalars = false;  // Scalar values decide shapes (arange): key on them
+  // Arguments the op mutates although its schema does not say so
+  // (native_batch_norm's running stats). The lowering returns their new values
+  // after the op's returns.
+  std::vector<std::string> extra_writes;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -83,7 +87,8 @@ Value scalar_like(Builder& b, double v, const Value& x);
 
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
-void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false);
+void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
+                  std::vector<std::string> extra_writes = {});
 void register_pointwise(Table&);
 void register_reduction(Table&);
 void register_linalg(Table&);

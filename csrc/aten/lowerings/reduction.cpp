@@ -1,5 +1,244 @@
+// Reductions: sum/mean/prod, amax/amin, max/min (with indices), argmax/argmin,
+// var/std (and their _mean forms), any/all, logsumexp, norms, cumulative ops.
+// Each reduces in the output's dtype (widened for f16/bf16, as PyTorch
+// accumulates) and reshapes to the meta kernel's output shape, which covers
+// keepdim.
+#include <algorithm>
+#include <limits>
+
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
-void register_reduction(Table&) {}
+namespace {
+
+using hlo::Compare;
+using hlo::Reducer;
+
+Value lowest(Builder& b, ElementType e) {
+  if (is_float(e)) return b.constant(-INFINITY, e);
+  if (e == ElementType::Pred) return b.constant_bool(false);
+  switch (e) {
+    case ElementType::S8: return b.constant_int(std::numeric_limits<int8_t>::min(), e);
+    case ElementType::S16: return b.constant_int(std::numeric_limits<int16_t>::min(), e);
+    case ElementType::S32: return b.constant_int(std::numeric_limits<int32_t>::min(), e);
+    case ElementType::S64: return b.constant_int(std::numeric_limits<int64_t>::min(), e);
+    default: return b.constant_int(0, e);  // unsigned
+  }
+}
+Value highest(Builder& b, ElementType e) {
+  if (is_float(e)) return b.constant(INFINITY, e);
+  if (e == ElementType::Pred) return b.constant_bool(true);
+  switch (e) {
+    case ElementType::S8: return b.constant_int(std::numeric_limits<int8_t>::max(), e);
+    case ElementType::S16: return b.constant_int(std::numeric_limits<int16_t>::max(), e);
+    case ElementType::S32: return b.constant_int(std::numeric_limits<int32_t>::max(), e);
+    case ElementType::S64: return b.constant_int(std::numeric_limits<int64_t>::max(), e);
+    case ElementType::U8: return b.constant_int(255, e);
+    case ElementType::U16: return b.constant_int(65535, e);
+    case ElementType::U32: return b.constant_int(4294967295LL, e);
+    default: return b.constant_int(-1, e);  // all ones for u64
+  }
+}
+
+Value init_for(Builder& b, Reducer r, ElementType e) {
+  switch (r) {
+    case Reducer::Add: return e == ElementType::Pred ? b.constant_bool(false) : b.constant(0, e);
+    case Reducer::Mul: return e == ElementType::Pred ? b.constant_bool(true) : b.constant(1, e);
+    case Reducer::Max: return lowest(b, e);
+    case Reducer::Min: return highest(b, e);
+    case Reducer::And: return b.constant_bool(true);
+    case Reducer::Or: return b.constant_bool(false);
+  }
+  return b.constant(0, e);
+}
+
+Value reduce(Builder& b, Value x, const Dims& dims, Reducer r) { return b.reduce(x, init_for(b, r, x.element()), dims, r); }
+
+int64_t count_over(const Value& x, const Dims& dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= x.dims()[d];
+  return n;
+}
+
+// `self` converted to the dtype the reduction runs in.
+Value input_as(Context& c, ElementType e) { return c.b.convert(c.tensor("self"), e); }
+
+std::vector<Value> sum_like(Context& c, Reducer r) {
+  const OutputMeta& o = c.output(0);
+  ElementType e = widen(o.element);
+  Value x = input_as(c, e);
+  Dims dims = reduce_dims(c, "dim", x.rank());
+  return {c.b.reshape(reduce(c.b, x, dims, r), o.dims)};
+}
+std::vector<Value> lower_sum(Context& c) { return sum_like(c, Reducer::Add); }
+std::vector<Value> lower_prod(Context& c) { return sum_like(c, Reducer::Mul); }
+std::vector<Value> lower_amax(Context& c) { return sum_like(c, Reducer::Max); }
+std::vector<Value> lower_amin(Context& c) { return sum_like(c, Reducer::Min); }
+std::vector<Value> lower_nansum(Context& c) {
+  const OutputMeta& o = c.output(0);
+  Value x = input_as(c, widen(o.element));
+  if (is_float(x.element())) x = c.b.select(c.b.compare(x, x, Compare::NE), full(c.b, 0, x), x);
+  return {c.b.reshape(reduce(c.b, x, reduce_dims(c, "dim", x.rank()), Reducer::Add), o.dims)};
+}
+
+std::vector<Value> lower_mean(Context& c) {
+  const OutputMeta& o = c.output(0);
+  Value x = input_as(c, widen(o.element));
+  Dims dims = reduce_dims(c, "dim", x.rank());
+  Value s = reduce(c.b, x, dims, Reducer::Add);
+  return {c.b.reshape(c.b.binary("divide", s, full(c.b, static_cast<double>(count_over(x, dims)), s)), o.dims)};
+}
+
+std::vector<Value> any_all(Context& c, Reducer r) {
+  const OutputMeta& o = c.output(0);
+  Value x = input_as(c, ElementType::Pred);
+  return {c.b.reshape(reduce(c.b, x, reduce_dims(c, "dim", x.rank()), r), o.dims)};
+}
+std::vector<Value> lower_any(Context& c) { return any_all(c, Reducer::Or); }
+std::vector<Value> lower_all(Context& c) { return any_all(c, Reducer::And); }
+
+// max/min: the full reduction, the (values, indices) form along a dim, or
+// the elementwise binary form (max.other).
+std::vector<Value> max_min(Context& c, bool is_max) {
+  if (c.is_tensor("other")) {
+    const OutputMeta& o = c.output(0);
+    return {c.b.binary(is_max ? "maximum" : "minimum", to(c.b, c.tensor("self"), o.element, o.dims),
+                       to(c.b, c.tensor("other"), o.element, o.dims))};
+  }
+  Value x = c.tensor("self");
+  if (!c.has("dim")) return {c.b.reshape(reduce(c.b, x, all_dims(x.rank()), is_max ? Reducer::Max : Reducer::Min), {})};
+  if (x.rank() == 0) x = c.b.reshape(x, {1});
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  Value idx = c.b.iota(TensorType{ElementType::S64, x.dims()}, dim);
+  auto r = c.b.reduce_arg(x, idx, dim, is_max);
+  return {c.b.reshape(r[0], c.output(0).dims), c.b.reshape(r[1], c.output(1).dims)};
+}
+std::vector<Value> lower_max(Context& c) { return max_min(c, true); }
+std::vector<Value> lower_min(Context& c) { return max_min(c, false); }
+
+std::vector<Value> arg_max_min(Context& c, bool is_max) {
+  Value x = c.tensor("self");
+  int64_t dim = 0;
+  if (c.has("dim")) {
+    if (x.rank() == 0) x = c.b.reshape(x, {1});
+    dim = wrap_dim(c.int_arg("dim"), x.rank());
+  } else {
+    x = c.b.reshape(x, {x.type.element_count()});
+  }
+  Value idx = c.b.iota(TensorType{ElementType::S64, x.dims()}, dim);
+  return {c.b.reshape(c.b.reduce_arg(x, idx, dim, is_max)[1], c.output(0).dims)};
+}
+std::vector<Value> lower_argmax(Context& c) { return arg_max_min(c, true); }
+std::vector<Value> lower_argmin(Context& c) { return arg_max_min(c, false); }
+
+// Two-pass variance: mean first, then the mean squared deviation.
+struct Moments {
+  Value var, mean;
+};
+Moments moments(Context& c, ElementType e) {
+  Value x = input_as(c, e);
+  Dims dims = reduce_dims(c, "dim", x.rank());
+  int64_t n = count_over(x, dims);
+  Value total = reduce(c.b, x, dims, Reducer::Add);
+  Value mean = c.b.binary("divide", total, full(c.b, static_cast<double>(n), total));
+  Dims kept;
+  for (int64_t d = 0; d < x.rank(); ++d)
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) kept.push_back(d);
+  Value centered = c.b.binary("subtract", x, c.b.broadcast_in_dim(mean, x.dims(), kept));
+  Value ss = reduce(c.b, c.b.binary("multiply", centered, centered), dims, Reducer::Add);
+  Value correction = c.has("correction") ? c.scalar("correction", e)
+                     : c.has("unbiased") ? c.b.constant(c.bool_arg("unbiased") ? 1 : 0, e)
+                                         : c.b.constant(1, e);
+  Value divisor = c.b.binary("maximum", c.b.binary("subtract", c.b.constant(static_cast<double>(n), e), correction),
+                             c.b.constant(0, e));
+  return {c.b.binary("divide", ss, c.b.broadcast_in_dim(divisor, ss.dims(), {})), mean};
+}
+std::vector<Value> lower_var(Context& c) {
+  return {c.b.reshape(moments(c, widen(c.output(0).element)).var, c.output(0).dims)};
+}
+std::vector<Value> lower_std(Context& c) {
+  return {c.b.reshape(c.b.unary("sqrt", moments(c, widen(c.output(0).element)).var), c.output(0).dims)};
+}
+std::vector<Value> lower_var_mean(Context& c) {
+  Moments m = moments(c, widen(c.output(0).element));
+  return {c.b.reshape(m.var, c.output(0).dims), c.b.reshape(m.mean, c.output(1).dims)};
+}
+std::vector<Value> lower_std_mean(Context& c) {
+  Moments m = moments(c, widen(c.output(0).element));
+  return {c.b.reshape(c.b.unary("sqrt", m.var), c.output(0).dims), c.b.reshape(m.mean, c.output(1).dims)};
+}
+
+std::vector<Value> lower_logsumexp(Context& c) {
+  const OutputMeta& o = c.output(0);
+  Value x = input_as(c, widen(o.element));
+  Dims dims = reduce_dims(c, "dim", x.rank());
+  Dims kept;
+  for (int64_t d = 0; d < x.rank(); ++d)
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) kept.push_back(d);
+  Value m = reduce(c.b, x, dims, Reducer::Max);
+  // An infinite max would turn x - m into NaN: shift by 0 there instead.
+  Value finite = c.b.compare(c.b.unary("abs", m), full(c.b, INFINITY, m), Compare::NE);
+  Value shift = c.b.select(finite, m, full(c.b, 0, m));
+  Value e = c.b.unary("exponential", c.b.binary("subtract", x, c.b.broadcast_in_dim(shift, x.dims(), kept)));
+  Value r = c.b.binary("add", c.b.unary("log", reduce(c.b, e, dims, Reducer::Add)), shift);
+  return {c.b.reshape(r, o.dims)};
+}
+
+// ord is baked (bake_scalars): it picks the formula.
+std::vector<Value> lower_linalg_vector_norm(Context& c) {
+  const OutputMeta& o = c.output(0);
+  ElementType e = widen(o.element);
+  Value x = c.b.unary("abs", input_as(c, e));
+  Dims dims = reduce_dims(c, "dim", x.rank());
+  double ord = c.scalar_value("ord");
+  Value r;
+  if (std::isinf(ord)) {
+    r = reduce(c.b, x, dims, ord > 0 ? Reducer::Max : Reducer::Min);
+  } else if (ord == 0) {
+    r = reduce(c.b, c.b.convert(c.b.compare(x, full(c.b, 0, x), Compare::NE), e), dims, Reducer::Add);
+  } else if (ord == 1) {
+    r = reduce(c.b, x, dims, Reducer::Add);
+  } else if (ord == 2) {
+    r = c.b.unary("sqrt", reduce(c.b, c.b.binary("multiply", x, x), dims, Reducer::Add));
+  } else {
+    Value s = reduce(c.b, c.b.binary("power", x, full(c.b, ord, x)), dims, Reducer::Add);
+    r = c.b.binary("power", s, full(c.b, 1.0 / ord, s));
+  }
+  return {c.b.reshape(r, o.dims)};
+}
+
+// Cumulative ops as a reduce_window whose window covers every earlier element.
+std::vector<Value> cumulative(Context& c, Reducer r) {
+  const OutputMeta& o = c.output(0);
+  Value x = input_as(c, widen(o.element));
+  if (x.rank() == 0) return {x};
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  int64_t n = x.dims()[dim];
+  Dims window(x.rank(), 1), strides(x.rank(), 1), low(x.rank(), 0), high(x.rank(), 0);
+  window[dim] = n;
+  low[dim] = n - 1;
+  return {c.b.reduce_window(x, init_for(c.b, r, x.element()), r, window, strides, low, high)};
+}
+std::vector<Value> lower_cumsum(Context& c) { return cumulative(c, Reducer::Add); }
+std::vector<Value> lower_cumprod(Context& c) { return cumulative(c, Reducer::Mul); }
+std::vector<Value> lower_count_nonzero(Context& c) {
+  Value x = c.tensor("self");
+  Value nz = c.b.convert(c.b.compare(x, c.b.constant(0, x.element(), x.dims()), Compare::NE), ElementType::S64);
+  return {c.b.reshape(reduce(c.b, nz, reduce_dims(c, "dim", x.rank()), Reducer::Add), c.output(0).dims)};
+}
+
+}  // namespace
+
+void register_reduction(Table& t) {
+  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+           {"sum", lower_sum}, {"prod", lower_prod}, {"amax", lower_amax}, {"amin", lower_amin},
+           {"nansum", lower_nansum}, {"mean", lower_mean}, {"any", lower_any}, {"all", lower_all},
+           {"max", lower_max}, {"min", lower_min}, {"argmax", lower_argmax}, {"argmin", lower_argmin},
+           {"var", lower_var}, {"std", lower_std}, {"var_mean", lower_var_mean}, {"std_mean", lower_std_mean},
+           {"logsumexp", lower_logsumexp}, {"cumsum", lower_cumsum}, {"cumprod", lower_cumprod},
+           {"count_nonzero", lower_count_nonzero}})
+    add_lowering(t, name, fn);
+  add_lowering(t, "linalg_vector_norm", lower_linalg_vector_norm, /*bake_scalars=*/true);
+}
+
 }  // namespace torch_pjrt::lowering

@@ -11,8 +11,9 @@ struct Table {
   std::unordered_map<std::string, LoweringEntry> entries;
 };
 
-void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars) {
-  table.entries[name] = LoweringEntry{fn, bake_scalars};
+void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars,
+                  std::vector<std::string> extra_writes) {
+  table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes)};
 }
 
 namespace {
