@@ -144,7 +144,8 @@ struct OperandRef {
 };
 
 struct OutputPlan {
-  bool write = false;  // true: replaces the storage of argument `arg`
+  bool absent = false;  // an undefined tensor (a gradient output_mask turned off)
+  bool write = false;   // true: replaces the storage of argument `arg`
   int arg = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> dims;
@@ -154,7 +155,7 @@ struct CachedOp {
   pjrt::ExecutablePtr exe;
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
-  std::vector<int> return_counts;  // tensors per schema return; -1: a Tensor[] of any length
+  std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
 };
 
 // Every argument of a call, with the schema facts the executor needs.
@@ -328,6 +329,7 @@ c10::IValue meta_value(const c10::IValue& v) {
 struct MetaResult {
   std::vector<OutputMeta> outputs;
   std::vector<at::ScalarType> dtypes;
+  std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
 };
 
@@ -344,6 +346,7 @@ MetaResult infer_meta(const Call& call) {
   auto add = [&](const at::Tensor& t) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
     r.dtypes.push_back(t.scalar_type());
+    r.absent.push_back(false);
   };
   if (call.returns_written) {
     for (int a : call.written) add(metas[a].toTensor());
@@ -351,13 +354,19 @@ MetaResult infer_meta(const Call& call) {
     return r;
   }
   for (const auto& v : stack) {
-    if (v.isTensor()) {
+    if (v.isTensor() && v.toTensor().defined()) {
       add(v.toTensor());
       r.return_counts.push_back(1);
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       for (const at::Tensor& t : list) add(t);
       r.return_counts.push_back(-static_cast<int>(list.size()) - 1);
+    } else if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {
+      // The lowering still yields a value here; the program leaves it out.
+      r.outputs.push_back(OutputMeta{ElementType::F32, {}});
+      r.dtypes.push_back(at::kFloat);
+      r.absent.push_back(true);
+      r.return_counts.push_back(0);
     } else {
       throw lowering::Unsupported("returns a non-tensor value");
     }
@@ -466,6 +475,11 @@ class CallContext final : public lowering::Context {
   int64_t int_arg(std::string_view name) const override { return arg(name).toInt(); }
   double float_arg(std::string_view name) const override { return arg(name).toDouble(); }
   bool bool_arg(std::string_view name) const override { return arg(name).toBool(); }
+  std::vector<bool> bool_list(std::string_view name) const override {
+    std::vector<bool> out;
+    for (const c10::IValue& x : arg(name).toList()) out.push_back(x.toBool());
+    return out;
+  }
   lowering::Dims int_list(std::string_view name) const override {
     const auto& v = arg(name);
     if (v.isInt()) return {v.toInt()};
@@ -537,6 +551,7 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
   size_t first_written = meta.outputs.size() - call.written.size();
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
     OutputPlan p;
+    p.absent = meta.absent[i];
     p.write = i >= first_written;
     p.arg = p.write ? call.written[i - first_written] : 0;
     p.dtype = meta.dtypes[i];
@@ -553,6 +568,7 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
                                 std::to_string(meta.outputs.size()));
   std::vector<Value> program_outputs;
   for (size_t i = 0; i < results.size(); ++i) {
+    if (cached->outputs[i].absent) continue;
     const OutputMeta& m = meta.outputs[i];
     Value r = b.convert(results[i], m.element);
     if (r.dims() != m.dims) {
@@ -612,11 +628,16 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   ++metrics().lowered_ops[op_name(call.schema)];
 
   std::vector<at::Tensor> outs;
+  size_t produced = 0;
   for (size_t i = 0; i < cached.outputs.size(); ++i) {
     const OutputPlan& p = cached.outputs[i];
+    if (p.absent) {
+      outs.emplace_back();
+      continue;
+    }
     at::Tensor t = p.write ? call.args[p.arg].toTensor()
                            : at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device));
-    storage_state(t.storage()).buffer = result.outputs[i];
+    storage_state(t.storage()).buffer = result.outputs[produced++];
     outs.push_back(t);
   }
   track(std::move(result.done));
@@ -624,7 +645,7 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   torch::jit::drop(*stack, nargs);
   size_t next = 0;
   for (int count : cached.return_counts) {
-    if (count == 1) {
+    if (count == 1 || count == 0) {
       stack->push_back(outs[next++]);
     } else {
       std::vector<at::Tensor> list(outs.begin() + next, outs.begin() + next + (-count - 1));

@@ -46,6 +46,7 @@ class Context {
   virtual double float_arg(std::string_view name) const = 0;
   virtual bool bool_arg(std::string_view name) const = 0;
   virtual Dims int_list(std::string_view name) const = 0;
+  virtual std::vector<bool> bool_list(std::string_view name) const = 0;
   virtual std::string string_arg(std::string_view name) const = 0;
   virtual ElementType tensor_element(std::string_view name) const = 0;
   virtual Dims tensor_dims(std::string_view name) const = 0;

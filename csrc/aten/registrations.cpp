@@ -137,6 +137,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_local_scalar_dense", local_scalar_dense);
 }
 
+// Ops whose generic (CompositeExplicitAutograd) kernels would route to a
+// device hook that throws (convolution_overrideable): send them to the lowerings.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  for (const char* name : {"convolution", "convolution_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
 }

@@ -1,5 +1,200 @@
+// Gathers and scatters: index_select, gather, scatter(_add), advanced
+// indexing (index.Tensor, index_put_), embedding_dense_backward. Out-of-range
+// indices are clamped by XLA instead of raising; debug mode is the place to
+// catch them (on CPU they raise).
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
-void register_indexing(Table&) {}
+namespace {
+
+Value as_index(Builder& b, const Value& i) { return b.convert(i, ElementType::S64); }
+
+// Negative indices count from the end, as in Python.
+Value wrap_negative(Builder& b, Value i, int64_t size) {
+  Value zero = b.constant_int(0, ElementType::S64, i.dims());
+  Value shifted = b.binary("add", i, b.constant_int(size, ElementType::S64, i.dims()));
+  return b.select(b.compare(i, zero, hlo::Compare::LT), shifted, i);
+}
+
+// Full coordinates for element-wise gather/scatter: `index` along `dim`, the
+// element's own position elsewhere. Shape index.dims + [rank].
+Value coordinates(Builder& b, Value index, int64_t dim, int64_t rank) {
+  Dims d = index.dims();
+  Dims with_one = d;
+  with_one.push_back(1);
+  std::vector<Value> parts;
+  for (int64_t k = 0; k < rank; ++k) {
+    Value part = k == dim ? as_index(b, index) : b.iota(TensorType{ElementType::S64, d}, k);
+    parts.push_back(b.reshape(part, with_one));
+  }
+  return b.concatenate(parts, static_cast<int64_t>(d.size()));
+}
+
+std::vector<Value> lower_gather(Context& c) {
+  Value x = c.tensor("self"), index = c.tensor("index");
+  int64_t rank = x.rank();
+  if (rank == 0) return {x};
+  int64_t dim = wrap_dim(c.int_arg("dim"), rank);
+  Dims all = all_dims(rank);
+  hlo::Builder::GatherDims dn{{}, all, {}, {}, all, rank};
+  return {c.b.gather(x, coordinates(c.b, index, dim, rank), dn, Dims(rank, 1), index.dims())};
+}
+
+// scatter / scatter_add: src (or a Scalar value) written at index along dim.
+std::vector<Value> scatter_like(Context& c, bool accumulate) {
+  if (c.has("reduce")) throw Unsupported("scatter with reduce=");
+  Value x = c.tensor("self"), index = c.tensor("index");
+  int64_t rank = x.rank();
+  if (index.type.element_count() == 0 || rank == 0) return {x};
+  int64_t dim = wrap_dim(c.int_arg("dim"), rank);
+  Value updates;
+  if (c.is_tensor("src")) {
+    Value src = c.b.convert(c.tensor("src"), x.element());
+    updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));  // src may be larger than index
+  } else {
+    updates = c.b.broadcast_in_dim(c.scalar("value", x.element()), index.dims(), {});
+  }
+  Dims all = all_dims(rank);
+  hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
+  return {c.b.scatter(x, coordinates(c.b, index, dim, rank), updates, dn, accumulate)};
+}
+std::vector<Value> lower_scatter(Context& c) { return scatter_like(c, false); }
+std::vector<Value> lower_scatter_add(Context& c) { return scatter_like(c, true); }
+
+std::vector<Value> lower_index_select(Context& c) {
+  Value x = c.tensor("self");
+  if (x.rank() == 0) return {x};
+  Value index = c.tensor("index");
+  int64_t n = index.type.element_count();
+  index = as_index(c.b, c.b.reshape(index, {n}));
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  Dims offset, slice = x.dims(), out = x.dims();
+  for (int64_t d = 0; d < x.rank(); ++d)
+    if (d != dim) offset.push_back(d);
+  slice[dim] = 1;
+  out[dim] = n;
+  hlo::Builder::GatherDims dn{offset, {dim}, {}, {}, {dim}, 1};
+  return {c.b.gather(x, index, dn, slice, out)};
+}
+
+// Advanced indexing, as a gather over the operand transposed so that the
+// indexed dims come first. Result layout follows NumPy: the broadcast index
+// dims replace the indexed dims in place when those are adjacent, else lead.
+struct IndexPlan {
+  Dims order;       // operand dims: indexed ones first, then the rest
+  Dims rest_sizes;  // sizes of the non-indexed dims, in order
+  Dims batch;       // broadcast shape of the index tensors
+  Value coords;     // batch + [indexed count]
+  int64_t k = 0;    // how many dims are indexed
+  int64_t place = 0;  // where the batch dims go in the result
+};
+
+IndexPlan plan_index(Builder& b, const Value& x, const std::vector<std::optional<Value>>& indices) {
+  IndexPlan p;
+  Dims indexed, rest;
+  for (int64_t d = 0; d < x.rank(); ++d) {
+    bool has = d < static_cast<int64_t>(indices.size()) && indices[d];
+    if (has) {
+      ElementType e = indices[d]->element();
+      if (e == ElementType::Pred || e == ElementType::U8) throw Unsupported("a boolean mask index (data-dependent shape)");
+      indexed.push_back(d);
+      p.batch = broadcast_shape(p.batch, indices[d]->dims());
+    } else {
+      rest.push_back(d);
+      p.rest_sizes.push_back(x.dims()[d]);
+    }
+  }
+  if (indexed.empty()) throw Unsupported("indexing without index tensors");
+  p.k = static_cast<int64_t>(indexed.size());
+  bool adjacent = indexed.back() - indexed.front() + 1 == p.k;
+  p.place = adjacent ? indexed.front() : 0;
+  p.order = indexed;
+  p.order.insert(p.order.end(), rest.begin(), rest.end());
+  Dims with_one = p.batch;
+  with_one.push_back(1);
+  std::vector<Value> parts;
+  for (int64_t d : indexed) {
+    Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d]), p.batch);
+    parts.push_back(b.reshape(i, with_one));
+  }
+  p.coords = b.concatenate(parts, static_cast<int64_t>(p.batch.size()));
+  return p;
+}
+
+// The permutation from gather order [batch..., rest...] to the result order.
+Dims result_permutation(const IndexPlan& p) {
+  int64_t nb = static_cast<int64_t>(p.batch.size()), nr = static_cast<int64_t>(p.rest_sizes.size());
+  Dims perm;
+  for (int64_t i = 0; i < p.place; ++i) perm.push_back(nb + i);
+  for (int64_t i = 0; i < nb; ++i) perm.push_back(i);
+  for (int64_t i = p.place; i < nr; ++i) perm.push_back(nb + i);
+  return perm;
+}
+
+Dims inverse(const Dims& perm) {
+  Dims inv(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) inv[perm[i]] = static_cast<int64_t>(i);
+  return inv;
+}
+
+Dims range(int64_t from, int64_t count) {
+  Dims d;
+  for (int64_t i = 0; i < count; ++i) d.push_back(from + i);
+  return d;
+}
+
+std::vector<Value> lower_index(Context& c) {
+  Value x = c.tensor("self");
+  IndexPlan p = plan_index(c.b, x, c.tensor_list("indices"));
+  int64_t nb = static_cast<int64_t>(p.batch.size()), nr = static_cast<int64_t>(p.rest_sizes.size());
+  Value xt = c.b.transpose(x, p.order);
+  Dims slice(p.k, 1), out = p.batch;
+  slice.insert(slice.end(), p.rest_sizes.begin(), p.rest_sizes.end());
+  out.insert(out.end(), p.rest_sizes.begin(), p.rest_sizes.end());
+  hlo::Builder::GatherDims dn{range(nb, nr), range(0, p.k), {}, {}, range(0, p.k), nb};
+  return {c.b.transpose(c.b.gather(xt, p.coords, dn, slice, out), result_permutation(p))};
+}
+
+// index_put_(self, indices, values, accumulate): the transposed scatter.
+std::vector<Value> lower_index_put(Context& c) {
+  Value x = c.tensor("self");
+  IndexPlan p = plan_index(c.b, x, c.tensor_list("indices"));
+  int64_t nb = static_cast<int64_t>(p.batch.size()), nr = static_cast<int64_t>(p.rest_sizes.size());
+  Dims perm = result_permutation(p), gathered = p.batch, result;
+  gathered.insert(gathered.end(), p.rest_sizes.begin(), p.rest_sizes.end());
+  for (int64_t d : perm) result.push_back(gathered[d]);
+  Value values = to(c.b, c.tensor("values"), x.element(), result);
+  Value updates = c.b.transpose(values, inverse(perm));
+  hlo::Builder::ScatterDims dn{range(nb, nr), range(0, p.k), {}, {}, range(0, p.k), nb};
+  bool accumulate = c.has("accumulate") && c.bool_arg("accumulate");
+  Value xt = c.b.scatter(c.b.transpose(x, p.order), p.coords, updates, dn, accumulate);
+  return {c.b.transpose(xt, inverse(p.order))};
+}
+
+std::vector<Value> lower_embedding_dense_backward(Context& c) {
+  if (c.bool_arg("scale_grad_by_freq")) throw Unsupported("scale_grad_by_freq=True");
+  const OutputMeta& o = c.output(0);
+  ElementType e = widen(o.element);
+  Value g = c.b.convert(c.tensor("grad_output"), e);
+  Value idx = as_index(c.b, c.tensor("indices"));
+  int64_t n = idx.type.element_count(), width = o.dims.back();
+  g = c.b.reshape(g, {n, width});
+  idx = c.b.reshape(idx, {n});
+  Value padding = c.b.constant_int(c.int_arg("padding_idx"), ElementType::S64, {n});
+  Value keep = c.b.broadcast_in_dim(c.b.compare(idx, padding, hlo::Compare::NE), {n, width}, {0});
+  g = c.b.select(keep, g, zeros_like(c.b, g));
+  hlo::Builder::ScatterDims dn{{1}, {0}, {}, {}, {0}, 1};
+  return {c.b.scatter(c.b.constant(0, e, o.dims), c.b.reshape(idx, {n, 1}), g, dn, true)};
+}
+
+}  // namespace
+
+void register_indexing(Table& t) {
+  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+           {"gather", lower_gather}, {"scatter", lower_scatter}, {"scatter_add", lower_scatter_add},
+           {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
+           {"index_put", lower_index_put}, {"embedding_dense_backward", lower_embedding_dense_backward}})
+    add_lowering(t, name, fn);
+}
+
 }  // namespace torch_pjrt::lowering

@@ -1,5 +1,48 @@
+// Matrix products: mm, bmm, addmm, baddbmm, addmv, mv, dot. matmul and linear
+// are composites in PyTorch that reach these. Products of f16/bf16 accumulate
+// in f32, as PyTorch's CPU kernels do.
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
-void register_linalg(Table&) {}
+namespace {
+
+// a @ b contracting a's last dim with b's dim `rhs_contract`, batching over
+// the leading `batch` dims of both.
+Value product(Context& c, std::string_view lhs, std::string_view rhs, int64_t batch, int64_t rhs_contract) {
+  ElementType e = widen(c.output(0).element);
+  Value a = c.b.convert(c.tensor(lhs), e), b = c.b.convert(c.tensor(rhs), e);
+  Dims batch_dims = all_dims(batch);
+  return c.b.dot_general(a, b, batch_dims, batch_dims, {a.rank() - 1}, {rhs_contract}, e);
+}
+
+// beta * self + alpha * product, where beta == 0 ignores self (NaN included).
+Value scale_and_add(Context& c, Value prod) {
+  ElementType e = prod.element();
+  if (c.has("alpha")) prod = c.b.binary("multiply", prod, c.b.broadcast_in_dim(c.scalar("alpha", e), prod.dims(), {}));
+  Value self = to(c.b, c.tensor("self"), e, prod.dims());
+  if (c.has("beta")) {
+    Value beta = c.b.broadcast_in_dim(c.scalar("beta", e), prod.dims(), {});
+    Value scaled = c.b.binary("multiply", self, beta);
+    self = c.b.select(c.b.compare(beta, full(c.b, 0, beta), hlo::Compare::EQ), full(c.b, 0, beta), scaled);
+  }
+  return c.b.binary("add", self, prod);
+}
+
+std::vector<Value> lower_mm(Context& c) { return {product(c, "self", "mat2", 0, 0)}; }
+std::vector<Value> lower_bmm(Context& c) { return {product(c, "self", "mat2", 1, 1)}; }
+std::vector<Value> lower_mv(Context& c) { return {product(c, "self", "vec", 0, 0)}; }
+std::vector<Value> lower_dot(Context& c) { return {product(c, "self", "tensor", 0, 0)}; }
+std::vector<Value> lower_addmm(Context& c) { return {scale_and_add(c, product(c, "mat1", "mat2", 0, 0))}; }
+std::vector<Value> lower_baddbmm(Context& c) { return {scale_and_add(c, product(c, "batch1", "batch2", 1, 1))}; }
+std::vector<Value> lower_addmv(Context& c) { return {scale_and_add(c, product(c, "mat", "vec", 0, 0))}; }
+
+}  // namespace
+
+void register_linalg(Table& t) {
+  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+           {"mm", lower_mm}, {"bmm", lower_bmm}, {"mv", lower_mv}, {"dot", lower_dot}, {"vdot", lower_dot},
+           {"addmm", lower_addmm}, {"baddbmm", lower_baddbmm}, {"addmv", lower_addmv}})
+    add_lowering(t, name, fn);
+}
+
 }  // namespace torch_pjrt::lowering

@@ -1,5 +1,99 @@
+// Ops that move data without arithmetic: cat, flip, roll, tril/triu, sort and
+// topk. Metadata-only views (view, permute, expand, slice, ...) never get here:
+// they are as_strided over the same storage (registrations.cpp).
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
-void register_shape(Table&) {}
+namespace {
+
+std::vector<Value> lower_cat(Context& c) {
+  const OutputMeta& o = c.output(0);
+  int64_t rank = static_cast<int64_t>(o.dims.size());
+  int64_t dim = wrap_dim(c.int_arg("dim"), rank);
+  std::vector<Value> parts;
+  for (const auto& t : c.tensor_list("tensors")) {
+    // PyTorch skips legacy empty 1-D tensors of any other rank.
+    if (!t || t->type.element_count() == 0) continue;
+    parts.push_back(c.b.convert(*t, o.element));
+  }
+  if (parts.empty()) return {c.b.constant(0, o.element, o.dims)};
+  return {parts.size() == 1 ? parts[0] : c.b.concatenate(parts, dim)};
+}
+
+std::vector<Value> lower_flip(Context& c) {
+  Value x = c.tensor("self");
+  return {c.b.reverse(x, reduce_dims(c, "dims", x.rank()))};
+}
+
+// roll by `shift` along one dim: two slices swapped.
+Value roll_one(Builder& b, Value x, int64_t dim, int64_t shift) {
+  int64_t n = x.dims()[dim];
+  if (n == 0) return x;
+  shift = ((shift % n) + n) % n;
+  if (shift == 0) return x;
+  Dims start(x.rank(), 0), limit = x.dims(), strides(x.rank(), 1);
+  limit[dim] = n - shift;
+  Value head = b.slice(x, start, limit, strides);
+  start[dim] = n - shift;
+  limit[dim] = n;
+  Value tail = b.slice(x, start, limit, strides);
+  return b.concatenate({tail, head}, dim);
+}
+std::vector<Value> lower_roll(Context& c) {
+  Value x = c.tensor("self");
+  Dims shifts = c.int_list("shifts");
+  Dims dims = c.has("dims") ? c.int_list("dims") : Dims{};
+  if (dims.empty()) {  // roll the flattened tensor
+    Value flat = c.b.reshape(x, {x.type.element_count()});
+    return {c.b.reshape(roll_one(c.b, flat, 0, shifts.at(0)), x.dims())};
+  }
+  for (size_t i = 0; i < dims.size(); ++i) x = roll_one(c.b, x, wrap_dim(dims[i], x.rank()), shifts.at(i));
+  return {x};
+}
+
+// Keeps elements with (col - row) <= diagonal (tril) or >= diagonal (triu).
+std::vector<Value> triangle(Context& c, bool lower) {
+  Value x = c.tensor("self");
+  int64_t r = x.rank();
+  Value row = c.b.iota(TensorType{ElementType::S64, x.dims()}, r - 2);
+  Value col = c.b.iota(TensorType{ElementType::S64, x.dims()}, r - 1);
+  int64_t diagonal = c.has("diagonal") ? c.int_arg("diagonal") : 0;
+  Value offset = c.b.binary("subtract", col, row);
+  Value keep = c.b.compare(offset, c.b.constant_int(diagonal, ElementType::S64, x.dims()),
+                           lower ? hlo::Compare::LE : hlo::Compare::GE);
+  return {c.b.select(keep, x, zeros_like(c.b, x))};
+}
+std::vector<Value> lower_tril(Context& c) { return triangle(c, true); }
+std::vector<Value> lower_triu(Context& c) { return triangle(c, false); }
+
+// sort(self, stable, dim, descending) -> (values, indices)
+std::vector<Value> lower_sort(Context& c) {
+  Value x = c.tensor("self");
+  if (x.rank() == 0) return {x, c.b.constant_int(0, ElementType::S64)};
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  Value idx = c.b.iota(TensorType{ElementType::S64, x.dims()}, dim);
+  return c.b.sort({x, idx}, dim, c.bool_arg("descending"));
+}
+
+std::vector<Value> lower_topk(Context& c) {
+  Value x = c.tensor("self");
+  int64_t k = c.int_arg("k");
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  if (x.rank() == 0) return {x, c.b.constant_int(0, ElementType::S64)};
+  Value idx = c.b.iota(TensorType{ElementType::S64, x.dims()}, dim);
+  auto sorted = c.b.sort({x, idx}, dim, c.bool_arg("largest"));
+  Dims start(x.rank(), 0), limit = x.dims(), strides(x.rank(), 1);
+  limit[dim] = k;
+  return {c.b.slice(sorted[0], start, limit, strides), c.b.slice(sorted[1], start, limit, strides)};
+}
+
+}  // namespace
+
+void register_shape(Table& t) {
+  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+           {"cat", lower_cat}, {"flip", lower_flip}, {"roll", lower_roll}, {"tril", lower_tril},
+           {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
+    add_lowering(t, name, fn);
+}
+
 }  // namespace torch_pjrt::lowering
