@@ -392,14 +392,17 @@ class CallContext final : public lowering::Context {
   }
   const c10::IValue& arg(std::string_view name) const { return call_.args[index(name)]; }
 
+  // Boxed calls pass an absent Tensor? either as None or as an undefined tensor.
+  static bool absent(const c10::IValue& v) { return v.isNone() || (v.isTensor() && !v.toTensor().defined()); }
+
   bool has(std::string_view name) const override {
     auto i = call_.schema.argumentIndexWithName(name);
-    return i && !call_.args[*i].isNone();
+    return i && !absent(call_.args[*i]);
   }
 
   bool is_tensor(std::string_view name) const override {
     auto i = call_.schema.argumentIndexWithName(name);
-    return i && call_.args[*i].isTensor();
+    return i && call_.args[*i].isTensor() && call_.args[*i].toTensor().defined();
   }
 
   // The whole storage of a tpu tensor as a parameter, once per storage.
@@ -683,7 +686,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     const auto& arg = schema.arguments()[i];
     bool writes = arg.alias_info() && arg.alias_info()->isWrite();
     for (const auto& name : entry->extra_writes) writes = writes || arg.name() == name;
-    if (!writes || call.args[i].isNone()) continue;
+    if (!writes || CallContext::absent(call.args[i])) continue;
     if (!call.args[i].isTensor()) {
       *why = "writes a list of tensors";
       return false;
