@@ -1,16 +1,29 @@
 PY ?= python3
-PLUGIN_SO = $(shell $(PY) -c "import xla_plugins.xla_cpu_pjrt as m, os; print(os.path.join(os.path.dirname(m.__file__), 'xla_cpu_pjrt.so'))" 2>/dev/null)
+BUILD ?= build
 
+# Everything a fresh machine needs: the CPU torch wheel (never another torch),
+# the CPU PJRT plugin and its header, test tools, a compiler cache.
 deps:
 	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
-	test -f /usr/include/gtest/gtest.h || (apt-get update -q && apt-get install -y -q libgtest-dev ccache)
+	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
+	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \
+	  (apt-get update -q && apt-get install -y -q libgtest-dev ccache)
 
 build: deps
-	cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DTORCH_PJRT_BUILD_EXTENSION=OFF
-	ninja -C build -j2
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$$(command -v $(PY))
+	ninja -C $(BUILD) -j2
 
+demo: build
+	PYTHONPATH=python $(PY) examples/demo.py
+
+# C++ runtime tests, then the Python suite in each execution mode.
 test: build
-	cd build && ctest --output-on-failure
+	cd $(BUILD) && ctest --output-on-failure
+	TORCH_PJRT_MODE=strict $(PY) -m pytest -q -p no:cacheprovider tests/python
+	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider tests/python -k "not opinfo"
 
-.PHONY: deps build test
+bench: build
+	PYTHONPATH=python $(PY) benchmarks/bench_eager.py
+
+.PHONY: deps build demo test bench

@@ -188,6 +188,7 @@ struct KeyBuilder {
   bool supported = true;
   std::string why;
   std::unordered_map<const void*, int> storages;  // aliasing pattern
+  bool allow_host = false;                         // CPU tensors of any rank may come in
 
   void num(int64_t v) {
     key += std::to_string(v);
@@ -224,6 +225,10 @@ struct KeyBuilder {
       auto [it, fresh] = storages.emplace(&st, static_cast<int>(storages.size()));
       num(it->second);
     } else if (t.device().is_cpu()) {
+      // As on CUDA: CPU tensors mix in only as 0-d values, copy sources and
+      // index lists; anything else is the user's device mix-up.
+      TORCH_CHECK(t.dim() == 0 || allow_host, "Expected all tensors to be on the same device, but found at least two ",
+                  "devices, tpu:", std::max(call.device, 0), " and cpu! (in ", call.schema.name(), ")");
       key += t.unsafeGetTensorImpl()->is_wrapped_number() ? 'w' : 'c';
     } else {
       supported = false;
@@ -244,11 +249,23 @@ struct KeyBuilder {
       auto list = v.toList();
       key += 'O';
       num(static_cast<int64_t>(list.size()));
+      bool was_allowed = allow_host;
+      allow_host = true;  // index lists: CPU indices are fine, as on CUDA
       for (size_t i = 0; i < list.size(); ++i) {
         auto item = list.get(i);
-        if (item.isNone()) key += 'N';
-        else tensor(item.toTensor(), call);
+        if (item.isNone()) {
+          key += 'N';
+          continue;
+        }
+        auto type = item.toTensor().scalar_type();
+        if (type == at::kBool || type == at::kByte) {
+          supported = false;
+          why = "a boolean mask index (its result's shape depends on the data)";
+          return;
+        }
+        tensor(item.toTensor(), call);
       }
+      allow_host = was_allowed;
     } else if (is_scalar_arg(a) && !bake_scalars) {
       key += v.isDouble() ? 'f' : v.isBool() ? 'b' : v.isInt() ? 'i' : '?';
       if (v.isComplexDouble()) {
@@ -532,12 +549,16 @@ std::string op_name(const c10::FunctionSchema& s) {
   return name;
 }
 
+}  // namespace
+
 std::string base_name(const c10::FunctionSchema& s) {
   std::string name = s.name();
   if (name.rfind("aten::", 0) == 0) name = name.substr(6);
   if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
   return name;
 }
+
+namespace {
 
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   for (const auto& p : plans) {
@@ -696,6 +717,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   call.returns_written = !schema.returns().empty();
   for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
   KeyBuilder kb;
+  kb.allow_host = base_name(schema) == "copy";
   kb.key = op_name(schema);
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {

@@ -9,6 +9,12 @@ namespace torch_pjrt {
 
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
+// The op's name without namespace, overload or in-place underscore ("add").
+std::string base_name(const c10::FunctionSchema& schema);
+// Gives every lowered op an explicit PrivateUse1 kernel, so lowerings win over
+// PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
+void register_lowered_kernels();
+
 // dst.copy_(src) where either side is a tpu tensor; broadcasts and casts.
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
 // A dense CPU copy of a tpu tensor (waits for the device).

@@ -10,8 +10,11 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <set>
+
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/lowering.h"
 
 namespace torch_pjrt {
 namespace {
@@ -149,4 +152,28 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 }
 
 }  // namespace
+
+void register_lowered_kernels() {
+  // Ops routed elsewhere on purpose: copies across devices go through
+  // _copy_from, and _to_copy may change device.
+  static const std::set<std::string> keep_generic{"copy", "_to_copy"};
+  static torch::Library* library = nullptr;
+  if (library) return;
+  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema()) continue;
+    std::string base = base_name(op->schema());
+    if (keep_generic.count(base) || !lowering::find_lowering(base)) continue;
+    // Implicit composites must decompose above autograd; existing kernels stay.
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+      continue;
+    std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+  }
+}
+
 }  // namespace torch_pjrt

@@ -16,6 +16,7 @@ import torch
 from . import _C
 from ._plugins import find_plugin
 from . import device_module
+from . import _decompositions
 
 __all__ = ["set_mode", "get_mode", "mode", "metrics", "metrics_report", "reset_metrics", "platform", "lowered_ops"]
 
@@ -27,9 +28,28 @@ def _register() -> None:
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    _C._register_lowered_kernels()
+    _decompositions.register()
 
 
 _register()
+
+
+def _print_from_host() -> None:
+    """Printing formats a CPU copy: one transfer instead of a program per slice."""
+    import torch._tensor_str as tensor_str
+
+    original = tensor_str._tensor_str
+
+    def _tensor_str(self, indent):
+        if self.device.type == "tpu":
+            self = self.detach().cpu()
+        return original(self, indent)
+
+    tensor_str._tensor_str = _tensor_str
+
+
+_print_from_host()
 
 
 def set_mode(name: str) -> None:

@@ -1,0 +1,57 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+import torch_pjrt
+
+DEVICE = "tpu"
+
+
+def to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    return x
+
+
+def to_dev(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(DEVICE).requires_grad_(x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_dev(v) for v in x)
+    return x
+
+
+def tolerance(dtype):
+    return {
+        torch.float16: dict(atol=1e-2, rtol=1e-2),
+        torch.bfloat16: dict(atol=5e-2, rtol=5e-2),
+        torch.float64: dict(atol=1e-10, rtol=1e-10),
+    }.get(dtype, dict(atol=1e-5, rtol=1e-5))
+
+
+def assert_matches_cpu(fn, *args, **tol):
+    """Runs fn on CPU tensors and on tpu copies; results must agree (dtype too)."""
+    expected = fn(*args)
+    actual = fn(*to_dev(args))
+    exp_list = expected if isinstance(expected, (list, tuple)) else [expected]
+    act_list = actual if isinstance(actual, (list, tuple)) else [actual]
+    assert len(exp_list) == len(act_list)
+    for e, a in zip(exp_list, act_list):
+        if not isinstance(e, torch.Tensor):
+            assert e == a
+            continue
+        assert a.device.type == DEVICE, f"result on {a.device}"
+        kw = tol or tolerance(e.dtype)
+        torch.testing.assert_close(to_cpu(a), e, equal_nan=True, **kw)
+    return actual
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallback_warnings():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch_pjrt:")
+        yield
