@@ -620,6 +620,40 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
   return cached;
 }
 
+// ---- debug-mode checks ----------------------------------------------------
+
+// XLA clamps out-of-range indices where the CPU raises; debug mode reads the
+// indices back and raises the CPU's IndexError at the user's line.
+void check_index_range(const at::Tensor& index, int64_t size, bool negative_ok, const std::string& op) {
+  if (!index.defined() || index.numel() == 0 || index.scalar_type() == at::kBool) return;
+  at::Tensor host = index.device().type() == kTpu ? to_host(index) : index;
+  int64_t lo = host.min().item<int64_t>(), hi = host.max().item<int64_t>();
+  int64_t bad = hi >= size ? hi : lo;
+  TORCH_CHECK_INDEX(hi < size && lo >= (negative_ok ? -size : 0), op, ": index ", bad,
+                    " is out of bounds for dimension with size ", size);
+}
+
+void debug_checks(const Call& call) {
+  std::string base = base_name(call.schema);
+  auto arg = [&](const char* name) -> const c10::IValue& {
+    return call.args[*call.schema.argumentIndexWithName(name)];
+  };
+  if (base == "index" || base == "index_put" || base == "_index_put_impl") {
+    at::Tensor self = arg("self").toTensor();
+    auto list = arg("indices").toList();
+    for (size_t k = 0; k < list.size() && k < static_cast<size_t>(self.dim()); ++k) {
+      c10::IValue item = list.get(k);
+      if (!item.isNone()) check_index_range(item.toTensor(), self.size(k), true, call.schema.name());
+    }
+  } else if (base == "index_select" || base == "gather" || base == "scatter" || base == "scatter_add") {
+    at::Tensor self = arg("self").toTensor();
+    int64_t dim = at::maybe_wrap_dim(arg("dim").toInt(), std::max<int64_t>(self.dim(), 1));
+    check_index_range(arg("index").toTensor(), self.dim() ? self.size(dim) : 1, false, call.schema.name());
+  } else if (base == "embedding_dense_backward") {
+    check_index_range(arg("indices").toTensor(), arg("num_weights").toInt(), false, call.schema.name());
+  }
+}
+
 void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
   std::vector<pjrt::BufferPtr> holders;
   std::vector<pjrt::Buffer*> buffers;
@@ -755,6 +789,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     g_op_cache.emplace(kb.key, cached);
   }
+  if (mode() == Mode::Debug) debug_checks(call);
   execute(call, *cached, stack, nargs);
   return true;
 }
