@@ -4,7 +4,7 @@ BUILD ?= build
 # Everything a fresh machine needs: the CPU torch wheel (never another torch),
 # the CPU PJRT plugin and its header, test tools, a compiler cache.
 deps:
-	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest
+	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest expecttest hypothesis
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
 	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
 	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \

@@ -324,6 +324,8 @@ at::Tensor meta_like(const at::Tensor& t) {
 
 c10::IValue meta_value(const c10::IValue& v) {
   if (v.isTensor()) return meta_like(v.toTensor());
+  // Factories name their device: on tpu the meta call would come back here.
+  if (v.isDevice()) return c10::Device(at::kMeta);
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
     for (const at::Tensor& t : v.toTensorList()) out.push_back(meta_like(t));
@@ -716,14 +718,27 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 std::mutex g_cache_mutex;
 std::unordered_map<std::string, std::shared_ptr<CachedOp>> g_op_cache;
 
-void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
-  std::string name = op_name(op.schema());
+}  // namespace
+
+void note_cpu_fallback(const std::string& name, const std::string& why) {
+  static std::mutex mutex;
   static std::set<std::string> warned;
-  if (warned.insert(name).second) {
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    first = warned.insert(name).second;
+    ++metrics().cpu_fallbacks[name];
+  }
+  if (first) {
     TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
                "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");
   }
-  ++metrics().cpu_fallbacks[name];
+}
+
+namespace {
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
+  note_cpu_fallback(op_name(op.schema()), why);
   at::native::cpu_fallback(op, stack);
 }
 

@@ -15,6 +15,9 @@ std::string base_name(const c10::FunctionSchema& schema);
 // PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
 void register_lowered_kernels();
 
+// Counts a CPU fallback of op `name` and warns once per op.
+void note_cpu_fallback(const std::string& name, const std::string& why);
+
 // dst.copy_(src) where either side is a tpu tensor; broadcasts and casts.
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
 // A dense CPU copy of a tpu tensor (waits for the device).

@@ -24,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_configure_plugin", &configure_plugin);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
+  m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
   m.def("_runtime_started", &runtime_started);
   m.def("_device_count", &device_count);

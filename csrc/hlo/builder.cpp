@@ -217,6 +217,8 @@ Value Builder::reshape(Value x, const Dims& dims) {
 }
 
 Value Builder::transpose(Value x, const Dims& permutation) {
+  PJRT_CHECK(static_cast<int64_t>(permutation.size()) == x.rank(), "internal: transpose rank mismatch for ", x.type.str());
+  for (int64_t d : permutation) PJRT_CHECK(d >= 0 && d < x.rank(), "internal: transpose dim ", d, " of ", x.type.str());
   bool identity = true;
   Dims out;
   for (size_t i = 0; i < permutation.size(); ++i) {
@@ -243,6 +245,7 @@ Value Builder::slice(Value x, const Dims& start, const Dims& limit, const Dims& 
 
 Value Builder::concatenate(const std::vector<Value>& xs, int64_t dimension) {
   if (xs.size() == 1) return xs[0];
+  PJRT_CHECK(dimension >= 0 && dimension < xs[0].rank(), "internal: concatenate along dim ", dimension);
   Dims out = xs[0].dims();
   out[dimension] = 0;
   for (const Value& x : xs) out[dimension] += x.dims()[dimension];
@@ -300,6 +303,7 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type) {
 }
 
 Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
+  for (int64_t d : dims) PJRT_CHECK(d >= 0 && d < x.rank(), "internal: reduce over dim ", d, " of ", x.type.str());
   Dims out;
   for (int64_t i = 0; i < x.rank(); ++i) {
     bool reduced = false;

@@ -2,28 +2,55 @@
 
 An op reaches the device's boxed fallback when PyTorch has no generic kernel
 for it (only CPU/CUDA ones). Where torch._decomp has a decomposition into ops
-we do lower, that runs on the device instead of a round trip to the CPU.
+we do lower, that runs on the device instead of a round trip to the CPU. A
+decomposition that cannot handle its input (returns NotImplemented, or leads
+back to the same op, as refs built on prims do) runs on the CPU instead,
+counted and warned like every CPU fallback.
 """
 from __future__ import annotations
 
 import collections
+import threading
 
 import torch
+import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
 
 from . import _C
 
-counts: collections.Counter = collections.Counter()
+counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
+_active = threading.local()
 
-# Decompositions that are slower or less exact than the CPU kernel they replace.
+# Data-dependent output shapes: the CPU kernel is exact and as fast.
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 
-def _wrap(name, fn):
+def _on_cpu(op, name: str, why: str, args, kwargs):
+    _C._note_cpu_fallback(name, why)
+    device = next(x.device for x in pytree.tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor) and x.device.type == "tpu")
+    to_cpu = lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.device.type == "tpu" else x
+    out = op(*pytree.tree_map(to_cpu, args), **pytree.tree_map(to_cpu, kwargs))
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _kernel(op, name: str, decomposition):
     def kernel(*args, **kwargs):
+        active = getattr(_active, "ops", None)
+        if active is None:
+            active = _active.ops = set()
+        if name in active:
+            return _on_cpu(op, name, "its decomposition calls itself", args, kwargs)
+        active.add(name)
+        try:
+            out = decomposition(*args, **kwargs)
+        finally:
+            active.discard(name)
+        if out is NotImplemented:
+            return _on_cpu(op, name, "its decomposition does not cover these arguments", args, kwargs)
         counts[name] += 1
-        return fn(*args, **kwargs)
+        return out
 
     return kernel
 
@@ -49,4 +76,4 @@ def register() -> None:
         base = base[:-1] if base.endswith("_") and not base.endswith("__") else base
         if base in lowered or schema.name in _SKIP or schema.is_mutable or not _reaches_fallback(qualified):
             continue
-        _library.impl(op, _wrap(qualified, fn), "PrivateUse1")
+        _library.impl(op, _kernel(op, qualified, fn), "PrivateUse1")

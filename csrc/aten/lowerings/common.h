@@ -29,7 +29,7 @@ inline double max_finite(ElementType e) {
 }
 
 inline Dims reduce_dims(Context& c, std::string_view name, int64_t rank) {
-  if (!c.has(name)) return all_dims(rank);
+  if (!c.has(name) || rank == 0) return all_dims(rank);  // dim 0/-1 of a 0-d tensor is the tensor
   Dims dims = c.int_list(name);
   if (dims.empty()) return all_dims(rank);
   for (auto& d : dims) d = wrap_dim(d, rank);

@@ -44,19 +44,25 @@ std::vector<Value> lower_gather(Context& c) {
 std::vector<Value> scatter_like(Context& c, bool accumulate) {
   if (c.has("reduce")) throw Unsupported("scatter with reduce=");
   Value x = c.tensor("self"), index = c.tensor("index");
+  if (index.type.element_count() == 0) return {x};
+  Dims result_dims = x.dims();
+  if (x.rank() == 0) {  // a 0-d scatter is a 1-element one
+    x = c.b.reshape(x, {1});
+    index = c.b.reshape(index, {1});
+  }
   int64_t rank = x.rank();
-  if (index.type.element_count() == 0 || rank == 0) return {x};
   int64_t dim = wrap_dim(c.int_arg("dim"), rank);
   Value updates;
   if (c.is_tensor("src")) {
     Value src = c.b.convert(c.tensor("src"), x.element());
+    if (src.rank() == 0) src = c.b.reshape(src, {1});
     updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));  // src may be larger than index
   } else {
     updates = c.b.broadcast_in_dim(c.scalar("value", x.element()), index.dims(), {});
   }
   Dims all = all_dims(rank);
   hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
-  return {c.b.scatter(x, coordinates(c.b, index, dim, rank), updates, dn, accumulate)};
+  return {c.b.reshape(c.b.scatter(x, coordinates(c.b, index, dim, rank), updates, dn, accumulate), result_dims)};
 }
 std::vector<Value> lower_scatter(Context& c) { return scatter_like(c, false); }
 std::vector<Value> lower_scatter_add(Context& c) { return scatter_like(c, true); }

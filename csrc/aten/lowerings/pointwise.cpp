@@ -41,7 +41,6 @@ UNARY(tanh, "tanh")
 UNARY(sigmoid, "logistic")
 UNARY(ceil, "ceil")
 UNARY(floor, "floor")
-UNARY(round, "round_nearest_even")
 UNARY(sign, "sign")
 UNARY(asin, "chlo.asin")
 UNARY(acos, "chlo.acos")
@@ -71,6 +70,17 @@ std::vector<Value> lower_exp2(Context& c) {
   Out o(c);
   Value x = in(c, o);
   return {c.b.unary("exponential", c.b.binary("multiply", x, full(c.b, std::log(2.0), x)))};
+}
+// round(x, decimals): scaled by 10^|decimals| as PyTorch does, ties to even.
+std::vector<Value> lower_round(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  int64_t decimals = c.has("decimals") ? c.int_arg("decimals") : 0;
+  if (decimals == 0 || !is_float(o.compute)) return {c.b.unary("round_nearest_even", x)};
+  Value scale = full(c.b, std::pow(10.0, static_cast<double>(std::abs(decimals))), x);
+  const char* into = decimals > 0 ? "multiply" : "divide";
+  const char* back = decimals > 0 ? "divide" : "multiply";
+  return {c.b.binary(back, c.b.unary("round_nearest_even", c.b.binary(into, x, scale)), scale)};
 }
 std::vector<Value> lower_reciprocal(Context& c) {
   Out o(c);

@@ -22,7 +22,10 @@ std::vector<Value> lower_cat(Context& c) {
 
 std::vector<Value> lower_flip(Context& c) {
   Value x = c.tensor("self");
-  return {c.b.reverse(x, reduce_dims(c, "dims", x.rank()))};
+  Dims dims = c.int_list("dims");  // empty: nothing flips
+  for (auto& d : dims) d = wrap_dim(d, x.rank());
+  if (dims.empty() || x.rank() == 0) return {x};
+  return {c.b.reverse(x, dims)};
 }
 
 // roll by `shift` along one dim: two slices swapped.
