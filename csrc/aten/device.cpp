@@ -40,7 +40,17 @@ Runtime& runtime() {
       int64_t cpu_devices = 1;
       if (const char* env = std::getenv("TORCH_PJRT_CPU_DEVICES")) cpu_devices = std::atoll(env);
       rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), cpu_devices);
-      rt.cache = std::make_unique<graph::CompileCache>(rt.client);
+      std::unique_ptr<graph::DiskCache> disk;
+      if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR"); dir && *dir) {
+        const char* limit = std::getenv("TORCH_PJRT_CACHE_MAX_BYTES");
+        int64_t max_bytes = limit ? std::atoll(limit) : (int64_t{4} << 30);
+        auto& c = *rt.client;
+        std::string identity = c.platform_name() + " " + c.platform_version() + " api " +
+                               std::to_string(c.plugin()->api_major()) + "." + std::to_string(c.plugin()->api_minor()) +
+                               " " + c.device_kind(0);
+        disk = std::make_unique<graph::DiskCache>(dir, identity, max_bytes);
+      }
+      rt.cache = std::make_unique<graph::CompileCache>(rt.client, std::move(disk));
       g_started = true;
     } catch (const std::exception& e) {
       error = e.what();

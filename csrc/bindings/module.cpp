@@ -71,6 +71,11 @@ PYBIND11_MODULE(_C, m) {
     d["compiles"] = s.compiles;
     d["compile_seconds"] = s.compile_seconds;
     d["compile_cache_hits"] = s.compile_cache_hits;
+    d["disk_cache_hits"] = s.disk_cache_hits;
+    d["disk_cache_misses"] = s.disk_cache_misses;
+    d["disk_cache_writes"] = s.disk_cache_writes;
+    d["disk_cache_corrupt"] = s.disk_cache_corrupt;
+    d["disk_cache_evictions"] = s.disk_cache_evictions;
     d["op_cache_hits"] = s.op_cache_hits;
     d["op_cache_misses"] = s.op_cache_misses;
     d["executions"] = s.executions;

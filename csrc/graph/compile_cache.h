@@ -1,23 +1,27 @@
-// One in-memory cache of compiled programs, keyed by the StableHLO text, so
-// two ops that lower to the same program share one executable.
+// The compile cache every mode shares: programs keyed by their StableHLO
+// text (and device), first in memory, then on disk when a directory is set
+// (TORCH_PJRT_CACHE_DIR), else compiled and written to both.
 #pragma once
 #include <memory>
 #include <string>
 #include <unordered_map>
 
+#include "graph/disk_cache.h"
 #include "pjrt/client.h"
 
 namespace torch_pjrt::graph {
 
 class CompileCache {
  public:
-  explicit CompileCache(std::shared_ptr<pjrt::Client> client) : client_(std::move(client)) {}
+  explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr)
+      : client_(std::move(client)), disk_(std::move(disk)) {}
   pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index);
   size_t size() const { return entries_.size(); }
   void clear() { entries_.clear(); }
 
  private:
   std::shared_ptr<pjrt::Client> client_;
+  std::unique_ptr<DiskCache> disk_;
   std::unordered_map<std::string, pjrt::ExecutablePtr> entries_;  // key: device + program
 };
 

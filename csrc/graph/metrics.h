@@ -11,7 +11,12 @@ namespace torch_pjrt::graph {
 struct Metrics {
   int64_t compiles = 0;
   double compile_seconds = 0;
-  int64_t compile_cache_hits = 0;  // program text already compiled
+  int64_t compile_cache_hits = 0;  // program text already compiled (memory tier)
+  int64_t disk_cache_hits = 0;     // loaded from TORCH_PJRT_CACHE_DIR instead of compiling
+  int64_t disk_cache_misses = 0;
+  int64_t disk_cache_writes = 0;
+  int64_t disk_cache_corrupt = 0;  // entries that failed to verify (rebuilt)
+  int64_t disk_cache_evictions = 0;
   int64_t op_cache_hits = 0;       // op signature seen before: no lowering at all
   int64_t op_cache_misses = 0;
   int64_t executions = 0;

@@ -4,8 +4,14 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <numeric>
+#include <thread>
 
+#include <unistd.h>
+
+#include "graph/compile_cache.h"
+#include "graph/metrics.h"
 #include "hlo/builder.h"
 #include "pjrt/client.h"
 #include "pjrt/error.h"
@@ -149,4 +155,76 @@ TEST(Runtime, BadProgramRaisesWithPluginMessage) {
 
 TEST(Runtime, MissingPluginRaises) {
   EXPECT_THROW(pjrt::Plugin::load("/nonexistent/plugin.so"), pjrt::Error);
+}
+
+// The persistent tier: a second cache over the same directory loads instead
+// of compiling; a corrupt entry is dropped and rebuilt; another identity misses.
+TEST(CompileCache, DiskTierWarmStartCorruptionAndIdentity) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("torch_pjrt_cache_test_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  hlo::Builder b;
+  hlo::Value x = b.parameter({ElementType::F32, {3}});
+  std::string program = b.finish({b.binary("multiply", x, x)});
+  auto make = [&](const std::string& identity) {
+    return graph::CompileCache(client(), std::make_unique<graph::DiskCache>(dir.string(), identity, 1 << 30));
+  };
+  auto run = [&](graph::CompileCache& cache) {
+    float in[3] = {1, 2, 3};
+    auto buf = client()->buffer_from_host(in, ElementType::F32, {3});
+    auto result = cache.get_or_compile(program, 0)->execute({buf.get()});
+    result.done->wait();
+    return read<float>(*result.outputs[0]);
+  };
+  graph::reset_metrics();
+  {
+    auto cold = make("plugin v1");
+    EXPECT_EQ(run(cold), (std::vector<float>{1, 4, 9}));
+  }
+  EXPECT_EQ(graph::metrics().compiles, 1);
+  EXPECT_EQ(graph::metrics().disk_cache_writes, 1);
+  {
+    auto warm = make("plugin v1");
+    EXPECT_EQ(run(warm), (std::vector<float>{1, 4, 9}));
+  }
+  EXPECT_EQ(graph::metrics().compiles, 1) << "a warm start must not compile";
+  EXPECT_EQ(graph::metrics().disk_cache_hits, 1);
+  {
+    auto other = make("plugin v2");
+    EXPECT_EQ(run(other), (std::vector<float>{1, 4, 9}));
+  }
+  EXPECT_EQ(graph::metrics().compiles, 2) << "another plugin version must not reuse entries";
+  for (const auto& e : fs::directory_iterator(dir)) {  // truncate every entry
+    fs::resize_file(e.path(), fs::file_size(e.path()) / 2);
+  }
+  {
+    auto after = make("plugin v1");
+    EXPECT_EQ(run(after), (std::vector<float>{1, 4, 9}));
+  }
+  EXPECT_EQ(graph::metrics().compiles, 3);
+  EXPECT_GE(graph::metrics().disk_cache_corrupt, 1);
+  {
+    auto rebuilt = make("plugin v1");
+    EXPECT_EQ(run(rebuilt), (std::vector<float>{1, 4, 9}));
+  }
+  EXPECT_EQ(graph::metrics().compiles, 3) << "the rebuilt entry is used";
+  fs::remove_all(dir);
+}
+
+TEST(CompileCache, EvictsLeastRecentlyUsed) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("torch_pjrt_lru_test_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  graph::DiskCache disk(dir.string(), "id", 3000);
+  std::string blob(1000, 'x');
+  disk.store("a", blob);
+  disk.store("b", blob);
+  ASSERT_TRUE(disk.load("a"));  // a is now more recent than b
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  disk.store("c", blob);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  disk.store("d", blob);  // over the limit: the oldest (b) goes first
+  EXPECT_FALSE(disk.load("b"));
+  EXPECT_TRUE(disk.load("d"));
+  fs::remove_all(dir);
 }

@@ -1,0 +1,87 @@
+"""The persistent compile cache, across processes sharing one directory."""
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, torch, torch_pjrt
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to("tpu")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8).to("tpu")
+for _ in range(2):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+m = torch_pjrt.metrics()
+print(json.dumps({"loss": loss.item(), "compiles": m["compiles"], "hits": m["disk_cache_hits"],
+                  "writes": m["disk_cache_writes"], "corrupt": m["disk_cache_corrupt"]}))
+"""
+
+
+def run(cache_dir, extra_env=None, background=False):
+    env = dict(os.environ, TORCH_PJRT_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(sys.path))
+    env.update(extra_env or {})
+    args = [sys.executable, "-c", SCRIPT]
+    if background:
+        return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def entries(cache_dir):
+    return [p for p in cache_dir.iterdir() if p.suffix == ".xla"]
+
+
+def test_warm_start_compiles_nothing(tmp_path):
+    cold = run(tmp_path)
+    assert cold["compiles"] > 0 and cold["writes"] == cold["compiles"]
+    warm = run(tmp_path)
+    assert warm["compiles"] == 0
+    assert warm["hits"] == cold["compiles"]
+    assert warm["loss"] == cold["loss"]
+
+
+def test_two_processes_fill_one_directory(tmp_path):
+    procs = [run(tmp_path, background=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0]["loss"] == results[1]["loss"]
+    assert not list(tmp_path.glob("*.tmp")), "no temporary files left behind"
+    after = run(tmp_path)
+    assert after["compiles"] == 0 and after["corrupt"] == 0
+
+
+def test_corrupt_entries_are_rebuilt(tmp_path):
+    cold = run(tmp_path)
+    files = entries(tmp_path)
+    for i, f in enumerate(files):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2] if i % 2 else data[:-8] + b"garbage!")
+    again = run(tmp_path)
+    assert again["loss"] == cold["loss"]
+    assert again["corrupt"] == len(files) and again["compiles"] == len(files)
+    assert run(tmp_path)["compiles"] == 0
+
+
+def test_other_plugin_version_misses(tmp_path):
+    run(tmp_path)
+    # Rewrite each entry's identity line as if another plugin version built it.
+    for f in entries(tmp_path):
+        magic, identity, rest = f.read_bytes().split(b"\n", 2)
+        f.write_bytes(b"\n".join([magic, identity + b" (other build)", rest]))
+    other = run(tmp_path)
+    assert other["compiles"] > 0 and other["hits"] == 0
+
+
+def test_unwritable_directory_does_not_break_the_program(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run(blocker / "cache")
+    assert result["compiles"] > 0 and result["writes"] == 0
