@@ -18,11 +18,16 @@ struct StorageState {
   pjrt::BufferPtr buffer;
   size_t nbytes = 0;
   int device = 0;
+  // Fused/lazy modes: a recorded op writes this storage; its buffer (a flat
+  // `pending_count` x `pending_element`) arrives when the graph runs.
+  bool pending = false;
+  ElementType pending_element = ElementType::F32;
+  int64_t pending_count = 0;
 };
 
 StorageState& storage_state(const c10::Storage& storage);
 
-enum class Mode { Debug, Strict };
+enum class Mode { Debug, Strict, Fused, Lazy };
 Mode mode();
 void set_mode(Mode mode);
 

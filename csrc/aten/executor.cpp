@@ -8,6 +8,8 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
 #include <set>
 #include <unordered_map>
 
@@ -132,6 +134,14 @@ pjrt::BufferPtr upload(const at::Tensor& cpu, int device) {
   return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
 }
 
+// What a storage holds for a program: its buffer's type, the type a recorded
+// graph will give it (pending), or nothing (never written: zeros).
+std::optional<lowering::TensorType> storage_type(const StorageState& st) {
+  if (st.pending) return lowering::TensorType{st.pending_element, {st.pending_count}};
+  if (st.buffer) return lowering::TensorType{st.buffer->element_type(), st.buffer->dims()};
+  return std::nullopt;
+}
+
 // ---- signatures -----------------------------------------------------------
 
 // Where an operand of a cached program comes from, replayed on every call.
@@ -151,8 +161,19 @@ struct OutputPlan {
   std::vector<int64_t> dims;
 };
 
+struct MetaResult {
+  std::vector<OutputMeta> outputs;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<bool> absent;  // per output: an undefined return
+  std::vector<int> return_counts;
+};
+
 struct CachedOp {
-  pjrt::ExecutablePtr exe;
+  pjrt::ExecutablePtr exe;  // strict/debug: the op's own program (fused modes need none)
+  MetaResult meta;
+  const lowering::LoweringEntry* entry = nullptr;
+  bool operands_known = false;
+  std::string unsupported;  // set when lowering failed: the op always falls back
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
   std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
@@ -216,9 +237,9 @@ struct KeyBuilder {
       num(t.storage_offset());
       const StorageState& st = storage_state(t.storage());
       num(static_cast<int64_t>(st.nbytes));
-      if (st.buffer) {
-        key += static_cast<char>('a' + static_cast<int>(st.buffer->element_type()));
-        num(st.buffer->element_count());
+      if (auto type = storage_type(st)) {
+        key += static_cast<char>('a' + static_cast<int>(type->element));
+        num(type->element_count());
       } else {
         key += 'z';
       }
@@ -345,12 +366,6 @@ c10::IValue meta_value(const c10::IValue& v) {
   return v;
 }
 
-struct MetaResult {
-  std::vector<OutputMeta> outputs;
-  std::vector<at::ScalarType> dtypes;
-  std::vector<bool> absent;  // per output: an undefined return
-  std::vector<int> return_counts;
-};
 
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
@@ -397,10 +412,17 @@ MetaResult infer_meta(const Call& call) {
 
 // ---- the lowering context over a real call --------------------------------
 
+// Where a fused graph keeps the current value of each storage it touches.
+struct GraphValues {
+  std::unordered_map<const StorageState*, Value> values;
+  // Storages the graph reads before writing: their buffer's type when recorded.
+  std::unordered_map<const StorageState*, lowering::TensorType> inputs;
+};
+
 class CallContext final : public lowering::Context {
  public:
-  CallContext(lowering::Builder& b, Call& call, const MetaResult& meta, bool bake)
-      : Context(b), call_(call), meta_(meta), bake_(bake) {}
+  CallContext(lowering::Builder& b, Call& call, const MetaResult& meta, bool bake, GraphValues* graph = nullptr)
+      : Context(b), call_(call), meta_(meta), bake_(bake), graph_(graph) {}
 
   std::vector<OperandRef> operands;
 
@@ -425,14 +447,22 @@ class CallContext final : public lowering::Context {
   }
 
   // The whole storage of a tpu tensor as a parameter, once per storage.
+  // In a fused graph, a storage an earlier op wrote is that op's value.
   std::optional<Value> storage_param(const at::Tensor& t, int arg, int item) {
     const StorageState& st = storage_state(t.storage());
-    if (!st.buffer) return std::nullopt;
-    auto it = storage_params_.find(&st);
-    if (it != storage_params_.end()) return it->second;
-    Value p = b.parameter(lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
+    auto& params = graph_ ? graph_->values : storage_params_;
+    auto it = params.find(&st);
+    if (it != params.end()) return it->second;
+    std::optional<lowering::TensorType> type;
+    if (!graph_) {
+      type = storage_type(st);
+    } else if (auto in = graph_->inputs.find(&st); in != graph_->inputs.end()) {
+      type = in->second;
+    }
+    if (!type) return std::nullopt;
+    Value p = b.parameter(*type);
     operands.push_back(OperandRef{OperandRef::Storage, arg, item});
-    storage_params_.emplace(&st, p);
+    params.emplace(&st, p);
     return p;
   }
 
@@ -539,6 +569,7 @@ class CallContext final : public lowering::Context {
   Call& call_;
   const MetaResult& meta_;
   bool bake_;
+  GraphValues* graph_;
   std::unordered_map<const StorageState*, Value> storage_params_;
   std::map<std::pair<int, int>, Value> values_;
 };
@@ -570,9 +601,12 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   }
 }
 
-std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry) {
-  MetaResult meta = infer_meta(call);
+// The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
+std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   auto cached = std::make_shared<CachedOp>();
+  cached->meta = infer_meta(call);
+  cached->entry = &entry;
+  const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;
   size_t first_written = meta.outputs.size() - call.written.size();
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
@@ -584,17 +618,20 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
     p.dims = meta.outputs[i].dims;
     cached->outputs.push_back(p);
   }
-  resize_outputs(call, cached->outputs);
+  return cached;
+}
 
-  lowering::Builder b;
-  CallContext ctx(b, call, meta, entry.bake_scalars);
-  std::vector<Value> results = entry.fn(ctx);
+// Lowers one op into `b`. Returns one flat value per present output: the
+// whole new storage of a written argument, or the dense new tensor.
+std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached, CallContext& ctx) {
+  const MetaResult& meta = cached.meta;
+  std::vector<Value> results = cached.entry->fn(ctx);
   if (results.size() != meta.outputs.size())
     throw lowering::Unsupported("internal: lowering returned " + std::to_string(results.size()) + " values, expected " +
                                 std::to_string(meta.outputs.size()));
-  std::vector<Value> program_outputs;
+  std::vector<Value> flats;
   for (size_t i = 0; i < results.size(); ++i) {
-    if (cached->outputs[i].absent) continue;
+    if (cached.outputs[i].absent) continue;
     const OutputMeta& m = meta.outputs[i];
     Value r = b.convert(results[i], m.element);
     if (r.dims() != m.dims) {
@@ -604,22 +641,39 @@ std::shared_ptr<CachedOp> build(Call& call, const lowering::LoweringEntry& entry
       else
         throw lowering::Unsupported("internal: lowering produced shape " + r.type.str());
     }
-    if (cached->outputs[i].write) {
-      at::Tensor target = call.args[cached->outputs[i].arg].toTensor();
+    if (cached.outputs[i].write) {
+      at::Tensor target = call.args[cached.outputs[i].arg].toTensor();
       graph::StridedView view = ctx.view_of(target);
       int64_t count = ctx.storage_count(target);
       bool covers_all = view.is_dense_row_major() && view.offset == 0 && view.numel() == count;
       Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
-                              : graph::storage_as(b, ctx.storage_param(target, cached->outputs[i].arg, -1),
+                              : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
                                                   view.element, count);
-      program_outputs.push_back(graph::write_view(b, flat, r, view));
+      flats.push_back(graph::write_view(b, flat, r, view));
     } else {
-      program_outputs.push_back(b.reshape(r, {r.type.element_count()}));
+      flats.push_back(b.reshape(r, {r.type.element_count()}));
     }
   }
-  cached->operands = std::move(ctx.operands);
-  cached->exe = compile_cache().get_or_compile(b.finish(program_outputs), call.device);
-  return cached;
+  return flats;
+}
+
+// Strict and debug modes: the op as a program of its own.
+void compile_alone(Call& call, CachedOp& cached) {
+  lowering::Builder b;
+  CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
+  std::vector<Value> flats = emit(b, call, cached, ctx);
+  cached.operands = std::move(ctx.operands);
+  cached.operands_known = true;
+  cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device);
+}
+
+// Fused modes: learns the op's operand order without compiling anything.
+void learn_operands(Call& call, CachedOp& cached) {
+  lowering::Builder b;
+  CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
+  emit(b, call, cached, ctx);
+  cached.operands = std::move(ctx.operands);
+  cached.operands_known = true;
 }
 
 // ---- debug-mode checks ----------------------------------------------------
@@ -656,52 +710,39 @@ void debug_checks(const Call& call) {
   }
 }
 
-void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
-  std::vector<pjrt::BufferPtr> holders;
-  std::vector<pjrt::Buffer*> buffers;
-  for (const OperandRef& ref : cached.operands) {
-    pjrt::BufferPtr buf;
-    switch (ref.kind) {
-      case OperandRef::Storage:
-        buf = storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
-        break;
-      case OperandRef::Host:
-        buf = upload(item_tensor(call.args[ref.arg], ref.item), call.device);
-        break;
-      case OperandRef::Scalar:
-        buf = scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
-        break;
-      case OperandRef::Rng: {
-        std::optional<at::Generator> gen;
-        if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
-        RngDraw draw = next_rng_draw(gen, call.device, ref.count);
-        uint64_t state[2] = {draw.seed, draw.offset};
-        buf = client().buffer_from_host(state, ElementType::U64, {2}, call.device);
-        break;
-      }
+// A buffer for an operand that is not a storage: a CPU tensor, a Scalar, or
+// a fresh RNG state (drawn now, so every mode sees the same stream).
+pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
+  switch (ref.kind) {
+    case OperandRef::Host:
+      return upload(item_tensor(call.args[ref.arg], ref.item), call.device);
+    case OperandRef::Scalar:
+      return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
+    case OperandRef::Rng: {
+      std::optional<at::Generator> gen;
+      if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
+      RngDraw draw = next_rng_draw(gen, call.device, ref.count);
+      uint64_t state[2] = {draw.seed, draw.offset};
+      return client().buffer_from_host(state, ElementType::U64, {2}, call.device);
     }
-    buffers.push_back(buf.get());
-    holders.push_back(std::move(buf));
+    case OperandRef::Storage:
+      break;
   }
-  auto result = cached.exe->execute(buffers);
-  ++metrics().executions;
-  ++metrics().lowered_ops[op_name(call.schema)];
+  return storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
+}
 
+// The op's outputs: written arguments, or new tensors on the call's device.
+std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
   std::vector<at::Tensor> outs;
-  size_t produced = 0;
-  for (size_t i = 0; i < cached.outputs.size(); ++i) {
-    const OutputPlan& p = cached.outputs[i];
-    if (p.absent) {
-      outs.emplace_back();
-      continue;
-    }
-    at::Tensor t = p.write ? call.args[p.arg].toTensor()
-                           : at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device));
-    storage_state(t.storage()).buffer = result.outputs[produced++];
-    outs.push_back(t);
+  for (const OutputPlan& p : cached.outputs) {
+    if (p.absent) outs.emplace_back();
+    else if (p.write) outs.push_back(call.args[p.arg].toTensor());
+    else outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }
-  track(std::move(result.done));
+  return outs;
+}
 
+void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs) {
   torch::jit::drop(*stack, nargs);
   size_t next = 0;
   for (int count : cached.return_counts) {
@@ -712,6 +753,259 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       next += list.size();
       stack->push_back(c10::IValue(list));
     }
+  }
+}
+
+// Strict and debug modes: runs the op's own program now (asynchronously).
+void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
+  std::vector<pjrt::BufferPtr> holders;
+  std::vector<pjrt::Buffer*> buffers;
+  for (const OperandRef& ref : cached.operands) {
+    holders.push_back(operand_buffer(call, ref));
+    buffers.push_back(holders.back().get());
+  }
+  auto result = cached.exe->execute(buffers);
+  ++metrics().executions;
+  ++metrics().lowered_ops[op_name(call.schema)];
+  std::vector<at::Tensor> outs = output_tensors(call, cached);
+  size_t produced = 0;
+  for (const at::Tensor& t : outs)
+    if (t.defined()) storage_state(t.storage()).buffer = result.outputs[produced++];
+  track(std::move(result.done));
+  push_returns(stack, nargs, cached, outs);
+}
+
+// ---- fused graphs (fused and lazy modes) ------------------------------------
+//
+// Ops are recorded instead of run. Each recorded op keeps a snapshot of its
+// arguments (tensor metadata as it was), and the graph resolves every operand
+// that is not a storage at record time. At a flush the graph runs as one
+// program whose outputs are the storages it wrote that are still referenced
+// outside it; dead intermediates stay inside. The graph's key (the ops'
+// signatures plus how storages flow between them) finds a compiled program
+// without lowering anything again.
+
+struct RecordedOp {
+  c10::OperatorHandle op;
+  std::shared_ptr<CachedOp> cached;
+  std::vector<c10::IValue> args;
+  std::vector<int> written;
+  bool returns_written;
+  std::vector<const StorageState*> new_storages;  // per new (non-written) output
+};
+
+struct PendingGraph {
+  std::recursive_mutex mutex;
+  int device = -1;
+  std::vector<RecordedOp> ops;
+  std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
+  std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
+  std::unordered_map<const StorageState*, int> ids;
+  std::vector<char> written, has_value;
+  std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
+  GraphValues inputs;              // record-time types of storages read before written
+  std::string key;
+};
+
+PendingGraph& pending_graph() {
+  static PendingGraph* g = new PendingGraph();  // never destroyed: outlives static storages
+  return *g;
+}
+
+struct CompiledGraph {
+  pjrt::ExecutablePtr exe;
+};
+std::mutex g_graph_cache_mutex;
+std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> g_graph_cache;
+
+int storage_id(PendingGraph& g, const c10::Storage& storage) {
+  const StorageState* st = &storage_state(storage);
+  auto [it, fresh] = g.ids.emplace(st, static_cast<int>(g.storages.size()));
+  if (fresh) {
+    g.storages.push_back(storage);
+    g.written.push_back(0);
+    g.has_value.push_back(0);
+    g.snapshot_refs.push_back(0);
+  }
+  return it->second;
+}
+
+// A tensor with `t`'s metadata and storage that later metadata changes to `t`
+// (resize_, set_, transpose_) cannot reach.
+at::Tensor snapshot_tensor(PendingGraph& g, const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != kTpu) return t;
+  auto snap = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  snap.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  ++g.snapshot_refs[storage_id(g, t.storage())];
+  return snap;
+}
+
+c10::IValue snapshot_value(PendingGraph& g, const c10::IValue& v, std::string& key) {
+  auto note = [&](const at::Tensor& t) {
+    if (t.defined() && t.device().type() == kTpu) key += std::to_string(storage_id(g, t.storage())) + ",";
+  };
+  if (v.isTensor()) {
+    note(v.toTensor());
+    return snapshot_tensor(g, v.toTensor());
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) {
+      note(t);
+      out.push_back(snapshot_tensor(g, t));
+    }
+    return out;
+  }
+  if (v.isList()) {
+    auto list = v.toList();
+    if (list.size() > 0 && (list.get(0).isTensor() || list.get(0).isNone())) {
+      c10::List<std::optional<at::Tensor>> out;
+      for (size_t i = 0; i < list.size(); ++i) {
+        auto item = list.get(i);
+        if (item.isNone()) {
+          out.push_back(std::nullopt);
+        } else {
+          note(item.toTensor());
+          out.push_back(snapshot_tensor(g, item.toTensor()));
+        }
+      }
+      return out;
+    }
+  }
+  return v;
+}
+
+void mark_written(PendingGraph& g, const at::Tensor& t) {
+  int id = storage_id(g, t.storage());
+  g.written[id] = g.has_value[id] = 1;
+  StorageState& st = storage_state(t.storage());
+  st.pending = true;
+  st.pending_element = element_or_throw(t.scalar_type());
+  st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
+}
+
+void run_graph(PendingGraph& g);
+
+size_t graph_op_limit() {
+  static size_t limit = [] {
+    const char* env = std::getenv("TORCH_PJRT_FUSION_LIMIT");
+    return env ? static_cast<size_t>(std::atoll(env)) : size_t{2000};
+  }();
+  return limit;
+}
+
+void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
+            const std::string& op_key) {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.device >= 0 && g.device != call.device) run_graph(g);
+  g.device = call.device;
+  // Operands in the order the op's lowering asks for them (see emit()).
+  for (const OperandRef& ref : cached->operands) {
+    if (ref.kind != OperandRef::Storage) {
+      g.operands.push_back(operand_buffer(call, ref));
+      continue;
+    }
+    const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
+    int id = storage_id(g, storage);
+    if (g.has_value[id]) continue;  // an earlier op wrote it, or it is already a parameter
+    g.has_value[id] = 1;
+    const StorageState& st = storage_state(storage);
+    g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
+    g.operands.push_back(st.buffer);
+  }
+  RecordedOp rec{call.op, cached, {}, call.written, call.returns_written, {}};
+  g.key += op_key;
+  g.key += '@';
+  for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, g.key));
+  std::vector<at::Tensor> outs = output_tensors(call, *cached);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].defined()) continue;
+    mark_written(g, outs[i]);
+    if (!cached->outputs[i].write) rec.new_storages.push_back(&storage_state(outs[i].storage()));
+  }
+  g.key += ';';
+  g.ops.push_back(std::move(rec));
+  ++metrics().fused_ops;
+  ++metrics().lowered_ops[op_name(call.schema)];
+  push_returns(stack, nargs, *cached, outs);
+  if (mode() == Mode::Fused && g.ops.size() >= graph_op_limit()) run_graph(g);
+}
+
+std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live) {
+  lowering::Builder b;
+  GraphValues values;
+  values.inputs = g.inputs.inputs;
+  for (RecordedOp& rec : g.ops) {
+    Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
+    CallContext ctx(b, call, rec.cached->meta, rec.cached->entry->bake_scalars, &values);
+    std::vector<Value> flats = emit(b, call, *rec.cached, ctx);
+    size_t next_flat = 0, next_new = 0;
+    for (const OutputPlan& p : rec.cached->outputs) {
+      if (p.absent) continue;
+      const StorageState* st = p.write ? &storage_state(call.args[p.arg].toTensor().storage()) : rec.new_storages[next_new++];
+      values.values.insert_or_assign(st, flats[next_flat++]);
+    }
+  }
+  std::vector<Value> outputs;
+  for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
+  auto compiled = std::make_shared<CompiledGraph>();
+  compiled->exe = compile_cache().get_or_compile(b.finish(outputs), g.device);
+  return compiled;
+}
+
+void clear_graph(PendingGraph& g) {
+  for (size_t id = 0; id < g.storages.size(); ++id)
+    if (g.written[id]) storage_state(g.storages[id]).pending = false;
+  g.ops.clear();
+  g.operands.clear();
+  g.storages.clear();
+  g.ids.clear();
+  g.written.clear();
+  g.has_value.clear();
+  g.snapshot_refs.clear();
+  g.inputs.inputs.clear();
+  g.key.clear();
+  g.device = -1;
+}
+
+void run_graph(PendingGraph& g) {
+  if (g.ops.empty()) return;
+  // Outputs: written storages that something besides this graph still holds.
+  std::vector<int> live;
+  std::string key = g.key + "|live:";
+  for (size_t id = 0; id < g.storages.size(); ++id) {
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
+      live.push_back(static_cast<int>(id));
+      key += std::to_string(id) + ",";
+    }
+  }
+  size_t op_count = g.ops.size();
+  try {
+    std::shared_ptr<CompiledGraph> compiled;
+    {
+      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
+      auto it = g_graph_cache.find(key);
+      if (it != g_graph_cache.end()) compiled = it->second;
+    }
+    if (compiled) {
+      ++metrics().graph_cache_hits;
+    } else {
+      compiled = compile_graph(g, live);
+      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
+      g_graph_cache.emplace(std::move(key), compiled);
+    }
+    std::vector<pjrt::Buffer*> buffers;
+    for (const auto& b : g.operands) buffers.push_back(b.get());
+    auto result = compiled->exe->execute(buffers);
+    for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
+    ++metrics().executions;
+    ++metrics().graphs;
+    clear_graph(g);
+    track(std::move(result.done));
+  } catch (const std::exception& e) {
+    clear_graph(g);
+    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed: ", e.what());
   }
 }
 
@@ -739,6 +1033,7 @@ namespace {
 
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   note_cpu_fallback(op_name(op.schema()), why);
+  flush_pending();
   at::native::cpu_fallback(op, stack);
 }
 
@@ -786,26 +1081,45 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   }
   if (cached) {
     ++metrics().op_cache_hits;
-    resize_outputs(call, cached->outputs);
   } else {
     ++metrics().op_cache_misses;
     try {
-      cached = build(call, *entry);
+      cached = plan(call, *entry);
     } catch (const lowering::Unsupported& e) {
       *why = e.what();
       return false;
     } catch (const c10::NotImplementedError& e) {
       *why = "no meta kernel";
       return false;
-    } catch (const pjrt::Error& e) {
-      *why = std::string("lowering failed: ") + e.what();
-      return false;
     }
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     g_op_cache.emplace(kb.key, cached);
   }
+  if (!cached->unsupported.empty()) {
+    *why = cached->unsupported;
+    return false;
+  }
+  resize_outputs(call, cached->outputs);
+  bool fused = mode() == Mode::Fused || mode() == Mode::Lazy;
+  try {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    if (fused && !cached->operands_known) learn_operands(call, *cached);
+    if (!fused && !cached->exe) compile_alone(call, *cached);
+  } catch (const lowering::Unsupported& e) {
+    cached->unsupported = e.what();
+  } catch (const pjrt::Error& e) {
+    cached->unsupported = std::string("lowering failed: ") + e.what();
+  }
+  if (!cached->unsupported.empty()) {
+    *why = cached->unsupported;
+    return false;
+  }
   if (mode() == Mode::Debug) debug_checks(call);
-  execute(call, *cached, stack, nargs);
+  if (fused) {
+    record(call, cached, stack, nargs, kb.key);
+  } else {
+    execute(call, *cached, stack, nargs);
+  }
   return true;
 }
 
@@ -830,8 +1144,15 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   cpu_fallback(op, stack, why);
 }
 
+void flush_pending() {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  run_graph(g);
+}
+
 at::Tensor to_host(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
+  if (storage_state(t.storage()).pending) flush_pending();
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
   const StorageState& st = storage_state(t.storage());
@@ -866,7 +1187,9 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   bool whole = dst.is_contiguous() && dst.storage_offset() == 0 &&
                static_cast<size_t>(dst.numel()) * dst.element_size() == st.nbytes;
   if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
-    // The common `.to("tpu")`: upload straight into the storage.
+    // The common `.to("tpu")`: upload straight into the storage. A recorded
+    // graph that writes this storage runs first, so its result cannot land later.
+    if (st.pending) flush_pending();
     st.buffer = upload(source.to(dst.scalar_type()), dst.device().index());
     return;
   }
@@ -883,6 +1206,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 void synchronize() {
+  flush_pending();
   std::deque<std::unique_ptr<pjrt::Event>> pending;
   {
     std::lock_guard<std::mutex> lock(g_pending_mutex);

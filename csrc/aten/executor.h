@@ -22,7 +22,9 @@ void note_cpu_fallback(const std::string& name, const std::string& why);
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
 // A dense CPU copy of a tpu tensor (waits for the device).
 at::Tensor to_host(const at::Tensor& tensor);
-// Waits for all work enqueued so far to finish.
+// Fused and lazy modes: runs the recorded graph now (asynchronously).
+void flush_pending();
+// Runs any recorded graph, then waits for all work enqueued so far.
 void synchronize();
 
 }  // namespace torch_pjrt

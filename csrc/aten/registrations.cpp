@@ -51,6 +51,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
 void ensure_storage_bytes(const at::Tensor& self, size_t needed) {
   const c10::Storage& storage = self.storage();
   if (needed <= storage.nbytes()) return;
+  if (storage_state(storage).pending) flush_pending();  // recorded ops saw the old size
   TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
   storage_state(storage).nbytes = needed;
   storage.unsafeGetStorageImpl()->set_nbytes(needed);

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
+
 #include "aten/device.h"
 #include "aten/executor.h"
 #include "aten/lowering.h"
@@ -39,11 +41,23 @@ PYBIND11_MODULE(_C, m) {
                                              std::to_string(c.plugin()->api_minor()));
   });
   m.def("_set_mode", [](const std::string& name) {
-    TORCH_CHECK(name == "debug" || name == "strict", "unknown torch_pjrt mode '", name,
-                "': expected 'debug' or 'strict'");
-    set_mode(name == "debug" ? Mode::Debug : Mode::Strict);
+    static const std::map<std::string, Mode> modes{
+        {"debug", Mode::Debug}, {"strict", Mode::Strict}, {"fused", Mode::Fused}, {"lazy", Mode::Lazy}};
+    auto it = modes.find(name);
+    TORCH_CHECK(it != modes.end(), "unknown torch_pjrt mode '", name, "': expected debug, strict, fused or lazy");
+    flush_pending();  // a recorded graph runs under the mode that recorded it
+    set_mode(it->second);
   });
-  m.def("_get_mode", [] { return std::string(mode() == Mode::Debug ? "debug" : "strict"); });
+  m.def("_get_mode", [] {
+    switch (mode()) {
+      case Mode::Debug: return "debug";
+      case Mode::Strict: return "strict";
+      case Mode::Fused: return "fused";
+      case Mode::Lazy: return "lazy";
+    }
+    return "strict";
+  });
+  m.def("_sync", &flush_pending);
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -79,6 +93,9 @@ PYBIND11_MODULE(_C, m) {
     d["op_cache_hits"] = s.op_cache_hits;
     d["op_cache_misses"] = s.op_cache_misses;
     d["executions"] = s.executions;
+    d["fused_ops"] = s.fused_ops;
+    d["graphs"] = s.graphs;
+    d["graph_cache_hits"] = s.graph_cache_hits;
     d["host_to_device_bytes"] = s.host_to_device_bytes;
     d["device_to_host_bytes"] = s.device_to_host_bytes;
     d["cpu_fallbacks"] = s.cpu_fallbacks;

@@ -20,6 +20,9 @@ struct Metrics {
   int64_t op_cache_hits = 0;       // op signature seen before: no lowering at all
   int64_t op_cache_misses = 0;
   int64_t executions = 0;
+  int64_t fused_ops = 0;         // ops recorded into fused graphs
+  int64_t graphs = 0;            // fused graphs run
+  int64_t graph_cache_hits = 0;  // graphs found by structure, nothing lowered
   int64_t host_to_device_bytes = 0;
   int64_t device_to_host_bytes = 0;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count

@@ -18,9 +18,10 @@ from ._plugins import find_plugin
 from . import device_module
 from . import _decompositions
 
-__all__ = ["set_mode", "get_mode", "mode", "metrics", "metrics_report", "reset_metrics", "platform", "lowered_ops"]
+__all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+           "platform", "lowered_ops"]
 
-MODES = ("debug", "strict")
+MODES = ("debug", "strict", "fused", "lazy")
 
 
 def _register() -> None:
@@ -53,7 +54,14 @@ _print_from_host()
 
 
 def set_mode(name: str) -> None:
-    """'debug': one op at a time, waits for each and checks it; 'strict': one op at a time, asynchronous."""
+    """Execution mode.
+
+    'debug': one op at a time, waits for each and checks it.
+    'strict': one op at a time, asynchronous.
+    'fused': ops are recorded and run as larger XLA graphs when data is needed,
+      an op falls back to the CPU, the graph reaches TORCH_PJRT_FUSION_LIMIT ops, or at sync().
+    'lazy': like fused, but graphs run only at sync() or when data is needed.
+    """
     if name not in MODES:
         raise ValueError(f"unknown torch_pjrt mode {name!r}: expected one of {MODES}")
     _C._set_mode(name)
@@ -77,6 +85,18 @@ if "TORCH_PJRT_MODE" in os.environ:
     set_mode(os.environ["TORCH_PJRT_MODE"])
 
 
+def sync() -> None:
+    """Runs the ops recorded so far (fused and lazy modes) without waiting for them."""
+    _C._sync()
+
+
+def optimizer_step(optimizer, **kwargs):
+    """optimizer.step(**kwargs), then sync(): the torch_xla idiom for lazy mode."""
+    result = optimizer.step(**kwargs)
+    sync()
+    return result
+
+
 def metrics() -> dict:
     """Counters since start (or reset_metrics()): compiles, cache hits, executions, transfers, CPU fallbacks per op."""
     return _C._metrics()
@@ -91,6 +111,9 @@ def metrics_report() -> str:
     lines = [
         f"compiles: {m['compiles']} ({m['compile_seconds']:.3f}s), compile cache hits: {m['compile_cache_hits']}",
         f"op signatures: {m['op_cache_misses']} new, {m['op_cache_hits']} reused; executions: {m['executions']}",
+        f"fused graphs: {m['graphs']} run ({m['graph_cache_hits']} found by structure), {m['fused_ops']} ops recorded",
+        f"disk cache: {m['disk_cache_hits']} hits, {m['disk_cache_misses']} misses, {m['disk_cache_writes']} writes, "
+        f"{m['disk_cache_corrupt']} corrupt",
         f"transfers: {m['host_to_device_bytes']} B to device, {m['device_to_host_bytes']} B to host",
     ]
     if m["cpu_fallbacks"]:
