@@ -17,13 +17,16 @@ build: deps
 demo: build
 	PYTHONPATH=python $(PY) examples/demo.py
 
-# C++ runtime tests, then the Python suite in each execution mode.
+# C++ runtime tests, then the Python suite in each execution mode (debug
+# skips the OpInfo sweep: it only adds waiting to strict's programs).
 test: build
 	cd $(BUILD) && ctest --output-on-failure
-	TORCH_PJRT_MODE=strict $(PY) -m pytest -q -p no:cacheprovider tests/python
+	for mode in strict fused lazy; do \
+	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider tests/python || exit 1; done
 	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider tests/python -k "not opinfo"
 
 bench: build
 	PYTHONPATH=python $(PY) benchmarks/bench_eager.py
+	PYTHONPATH=python $(PY) benchmarks/bench_fused.py
 
 .PHONY: deps build demo test bench

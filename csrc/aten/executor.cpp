@@ -173,6 +173,7 @@ struct CachedOp {
   MetaResult meta;
   const lowering::LoweringEntry* entry = nullptr;
   bool operands_known = false;
+  bool outputs_empty = false;  // every output has zero elements: nothing to run
   std::string unsupported;  // set when lowering failed: the op always falls back
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
@@ -618,6 +619,9 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.dims = meta.outputs[i].dims;
     cached->outputs.push_back(p);
   }
+  cached->outputs_empty = true;
+  for (const OutputPlan& p : cached->outputs)
+    if (!p.absent && c10::multiply_integers(p.dims) != 0) cached->outputs_empty = false;
   return cached;
 }
 
@@ -1100,6 +1104,10 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     return false;
   }
   resize_outputs(call, cached->outputs);
+  if (cached->outputs_empty) {  // XLA rejects some zero-sized windows and gathers
+    push_returns(stack, nargs, *cached, output_tensors(call, *cached));
+    return true;
+  }
   bool fused = mode() == Mode::Fused || mode() == Mode::Lazy;
   try {
     std::lock_guard<std::mutex> lock(g_cache_mutex);

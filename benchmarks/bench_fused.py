@@ -1,0 +1,138 @@
+"""Fused/lazy benchmark: prints, side by side in one run,
+
+1. training step time of an MLP and of a small GPT-style transformer
+   (4 layers, width 256, sequence 128, AdamW) in strict, fused and lazy mode
+   against PyTorch CPU eager;
+2. time to the first training step in a fresh process with a cold and with a
+   warm persistent compile cache (TORCH_PJRT_CACHE_DIR), fused mode.
+
+    PYTHONPATH=python python benchmarks/bench_fused.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_pjrt
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x, mask):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=512, width=256, layers=4, heads=4, seq=128):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), 1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+def mlp_setup(device):
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device)
+    return model, torch.randn(64, 256).to(device), torch.randint(0, 10, (64,)).to(device)
+
+
+def gpt_setup(device):
+    model = GPT().to(device)
+    idx = torch.randint(0, 512, (4, 128))
+    return model, idx.to(device), idx.roll(-1, 1).to(device)
+
+
+def step_time(setup, device, mode, steps):
+    with torch_pjrt.mode(mode):
+        torch.manual_seed(0)
+        model, x, y = setup(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        for _ in range(2):  # compile
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps
+
+
+FIRST_STEP = """
+import time, torch, torch_pjrt, sys
+sys.path.insert(0, {bench_dir!r})
+from bench_fused import gpt_setup
+import torch.nn.functional as F
+start = time.perf_counter()
+torch.manual_seed(0)
+model, x, y = gpt_setup("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+loss.backward(); opt.step(); loss.item()
+m = torch_pjrt.metrics()
+print(time.perf_counter() - start, m["compiles"], m["disk_cache_hits"])
+"""
+
+
+def first_step_seconds(cache_dir):
+    env = dict(os.environ, TORCH_PJRT_CACHE_DIR=cache_dir, TORCH_PJRT_MODE="fused",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    code = FIRST_STEP.format(bench_dir=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    seconds, compiles, hits = out.stdout.split()
+    return float(seconds), int(compiles), int(hits)
+
+
+def main():
+    print("platform:", torch_pjrt.platform())
+    for name, setup, steps in [("MLP", mlp_setup, 20), ("GPT 4x256, seq 128", gpt_setup, 3)]:
+        print(f"\n== {name}: training step (forward, backward, AdamW) ==")
+        cpu = step_time(setup, "cpu", "strict", steps)
+        print(f"{'cpu eager':12s} {cpu * 1e3:9.1f} ms/step")
+        times = {}
+        for mode in ("strict", "fused", "lazy"):
+            times[mode] = step_time(setup, "tpu", mode, steps)
+            print(f"{'tpu ' + mode:12s} {times[mode] * 1e3:9.1f} ms/step  {cpu / times[mode]:5.2f}x cpu eager")
+        print(f"fused vs strict: {times['strict'] / times['fused']:.2f}x faster")
+    print("\n== time to the first GPT training step in a new process (fused mode) ==")
+    with tempfile.TemporaryDirectory() as cache_dir:
+        cold, cold_compiles, _ = first_step_seconds(cache_dir)
+        warm, warm_compiles, warm_hits = first_step_seconds(cache_dir)
+    print(f"cold cache {cold:7.2f} s ({cold_compiles} compiles)")
+    print(f"warm cache {warm:7.2f} s ({warm_compiles} compiles, {warm_hits} loaded from disk)")
+    print(f"warm start: {cold / warm:.1f}x faster to the first step")
+
+
+if __name__ == "__main__":
+    main()
