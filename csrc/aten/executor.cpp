@@ -344,13 +344,13 @@ at::Tensor meta_like(const at::Tensor& t) {
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
 }
 
-c10::IValue meta_value(const c10::IValue& v) {
-  if (v.isTensor()) return meta_like(v.toTensor());
-  // Factories name their device: on tpu the meta call would come back here.
-  if (v.isDevice()) return c10::Device(at::kMeta);
+// `v` with `fn` applied to every tensor in it (a Tensor, Tensor[] or Tensor?[]).
+template <typename Fn>
+c10::IValue map_tensors(const c10::IValue& v, Fn fn) {
+  if (v.isTensor()) return fn(v.toTensor());
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(meta_like(t));
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(fn(t));
     return out;
   }
   if (v.isList()) {
@@ -359,12 +359,18 @@ c10::IValue meta_value(const c10::IValue& v) {
       c10::List<std::optional<at::Tensor>> out;
       for (size_t i = 0; i < list.size(); ++i) {
         auto item = list.get(i);
-        out.push_back(item.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(meta_like(item.toTensor())));
+        out.push_back(item.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(fn(item.toTensor())));
       }
       return out;
     }
   }
   return v;
+}
+
+c10::IValue meta_value(const c10::IValue& v) {
+  // Factories name their device: on tpu the meta call would come back here.
+  if (v.isDevice()) return c10::Device(at::kMeta);
+  return map_tensors(v, meta_like);
 }
 
 
@@ -760,6 +766,21 @@ void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached
   }
 }
 
+// Debug mode with TORCH_PJRT_CHECK_NANS=1: a NaN or Inf in a floating-point
+// result raises at the op that made it.
+void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("TORCH_PJRT_CHECK_NANS");
+    return env && std::string(env) == "1";
+  }();
+  if (!enabled) return;
+  for (const at::Tensor& t : outs) {
+    if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) continue;
+    TORCH_CHECK(at::isfinite(to_host(t)).all().item<bool>(), op_name(call.schema),
+                " produced NaN or Inf (TORCH_PJRT_CHECK_NANS=1 checks every result in debug mode)");
+  }
+}
+
 // Strict and debug modes: runs the op's own program now (asynchronously).
 void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
   std::vector<pjrt::BufferPtr> holders;
@@ -776,6 +797,7 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   for (const at::Tensor& t : outs)
     if (t.defined()) storage_state(t.storage()).buffer = result.outputs[produced++];
   track(std::move(result.done));
+  if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
 }
 
@@ -792,6 +814,7 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 struct RecordedOp {
   c10::OperatorHandle op;
   std::shared_ptr<CachedOp> cached;
+  std::string key;  // the op's signature and which graph storages it touches
   std::vector<c10::IValue> args;
   std::vector<int> written;
   bool returns_written;
@@ -845,38 +868,10 @@ at::Tensor snapshot_tensor(PendingGraph& g, const at::Tensor& t) {
 }
 
 c10::IValue snapshot_value(PendingGraph& g, const c10::IValue& v, std::string& key) {
-  auto note = [&](const at::Tensor& t) {
+  return map_tensors(v, [&](const at::Tensor& t) {
     if (t.defined() && t.device().type() == kTpu) key += std::to_string(storage_id(g, t.storage())) + ",";
-  };
-  if (v.isTensor()) {
-    note(v.toTensor());
-    return snapshot_tensor(g, v.toTensor());
-  }
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) {
-      note(t);
-      out.push_back(snapshot_tensor(g, t));
-    }
-    return out;
-  }
-  if (v.isList()) {
-    auto list = v.toList();
-    if (list.size() > 0 && (list.get(0).isTensor() || list.get(0).isNone())) {
-      c10::List<std::optional<at::Tensor>> out;
-      for (size_t i = 0; i < list.size(); ++i) {
-        auto item = list.get(i);
-        if (item.isNone()) {
-          out.push_back(std::nullopt);
-        } else {
-          note(item.toTensor());
-          out.push_back(snapshot_tensor(g, item.toTensor()));
-        }
-      }
-      return out;
-    }
-  }
-  return v;
+    return snapshot_tensor(g, t);
+  });
 }
 
 void mark_written(PendingGraph& g, const at::Tensor& t) {
@@ -918,10 +913,9 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
     g.operands.push_back(st.buffer);
   }
-  RecordedOp rec{call.op, cached, {}, call.written, call.returns_written, {}};
-  g.key += op_key;
-  g.key += '@';
-  for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, g.key));
+  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}};
+  for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
+  g.key += rec.key;
   std::vector<at::Tensor> outs = output_tensors(call, *cached);
   for (size_t i = 0; i < outs.size(); ++i) {
     if (!outs[i].defined()) continue;
@@ -956,6 +950,53 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   auto compiled = std::make_shared<CompiledGraph>();
   compiled->exe = compile_cache().get_or_compile(b.finish(outputs), g.device);
   return compiled;
+}
+
+// "aten::add.Tensor(f32[3, 4], f32[4])": what a recompile explanation shows.
+std::string describe(const RecordedOp& rec) {
+  std::string text = op_name(rec.op.schema()) + "(";
+  bool first = true;
+  for (const c10::IValue& v : rec.args) {
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
+        first = false;
+      }
+      return t;
+    });
+  }
+  return text + ")";
+}
+
+// Recompilation explainer: says how a graph that missed the cache differs
+// from the graph compiled before it.
+void explain_recompile(const PendingGraph& g) {
+  static std::vector<std::string> last_keys, last_descriptions;
+  std::vector<std::string> keys, descriptions;
+  for (const RecordedOp& rec : g.ops) {
+    keys.push_back(rec.key);
+    descriptions.push_back(describe(rec));
+  }
+  std::string reason;
+  if (!last_keys.empty()) {
+    size_t k = 0;
+    while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
+    if (k < keys.size() && k < last_keys.size()) {
+      reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
+               last_descriptions[k];
+      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing or tensor flow differ)";
+    } else if (keys.size() != last_keys.size()) {
+      reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
+               std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
+    } else {
+      reason = "same ops; a different set of results is still in use";
+    }
+    auto& reasons = metrics().recompile_reasons;
+    reasons.push_back("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
+    if (reasons.size() > 50) reasons.erase(reasons.begin());
+  }
+  last_keys = std::move(keys);
+  last_descriptions = std::move(descriptions);
 }
 
 void clear_graph(PendingGraph& g) {
@@ -995,6 +1036,7 @@ void run_graph(PendingGraph& g) {
     if (compiled) {
       ++metrics().graph_cache_hits;
     } else {
+      explain_recompile(g);
       compiled = compile_graph(g, live);
       std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
       g_graph_cache.emplace(std::move(key), compiled);

@@ -100,6 +100,7 @@ PYBIND11_MODULE(_C, m) {
     d["device_to_host_bytes"] = s.device_to_host_bytes;
     d["cpu_fallbacks"] = s.cpu_fallbacks;
     d["lowered_ops"] = s.lowered_ops;
+    d["recompile_reasons"] = s.recompile_reasons;
     return d;
   });
   m.def("_reset_metrics", &graph::reset_metrics);

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace torch_pjrt::graph {
 
@@ -27,6 +28,7 @@ struct Metrics {
   int64_t device_to_host_bytes = 0;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
   std::map<std::string, int64_t> lowered_ops;    // op name -> executions
+  std::vector<std::string> recompile_reasons;    // fused graphs: why a graph compiled again (latest 50)
 };
 
 Metrics& metrics();

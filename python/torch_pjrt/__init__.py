@@ -116,6 +116,8 @@ def metrics_report() -> str:
         f"{m['disk_cache_corrupt']} corrupt",
         f"transfers: {m['host_to_device_bytes']} B to device, {m['device_to_host_bytes']} B to host",
     ]
+    for reason in m["recompile_reasons"][-3:]:
+        lines.append("recompiled: " + reason)
     if m["cpu_fallbacks"]:
         lines.append("CPU fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(m["cpu_fallbacks"].items())))
     else:

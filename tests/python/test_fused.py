@@ -106,3 +106,18 @@ def test_graph_size_limit_and_mode_switch_flush():
     # Leaving fused mode ran the pending graph.
     assert torch_pjrt.metrics()["graphs"] >= 1
     torch.testing.assert_close(a.cpu(), torch.full((4,), 50.0))
+
+
+def test_recompile_explainer_names_what_changed():
+    def run(n):
+        a = torch.ones(n, 3, device="tpu")
+        return (a * 2 + 1).sum().item()
+
+    with torch_pjrt.mode("fused"):
+        run(4)
+        torch_pjrt.reset_metrics()
+        run(5)
+    reasons = torch_pjrt.metrics()["recompile_reasons"]
+    assert reasons, "a new shape must be explained"
+    assert "[5, 3]" in reasons[-1] and "[4, 3]" in reasons[-1]
+    assert "recompiled" in torch_pjrt.metrics_report()

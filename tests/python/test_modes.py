@@ -47,3 +47,17 @@ def test_debug_mode_raises_at_the_failing_line():
     with torch_pjrt.mode("debug"):
         with pytest.raises(IndexError, match="out of range|out of bounds"):
             x[torch.tensor([7], device="tpu")]
+
+
+def test_debug_nan_check_raises_at_the_op():
+    env = dict(os.environ, TORCH_PJRT_MODE="debug", TORCH_PJRT_CHECK_NANS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    code = ("import torch, torch_pjrt\n"
+            "x = torch.tensor([1.0, -1.0], device='tpu')\n"
+            "y = x * 2\n"
+            "try:\n"
+            "    torch.log(x)\n"
+            "except RuntimeError as e:\n"
+            "    print('raised:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "raised:" in out.stdout and "aten::log" in out.stdout and "NaN" in out.stdout
