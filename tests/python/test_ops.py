@@ -210,6 +210,8 @@ def test_index_put():
 
 
 def test_factories():
+    import torch_pjrt
+    torch_pjrt.reset_metrics()
     dev = "tpu"
     torch.testing.assert_close(torch.zeros(2, 3, device=dev).cpu(), torch.zeros(2, 3))
     torch.testing.assert_close(torch.ones(4, dtype=torch.int32, device=dev).cpu(), torch.ones(4, dtype=torch.int32))
@@ -220,6 +222,9 @@ def test_factories():
     torch.testing.assert_close(torch.eye(3, 4, device=dev).cpu(), torch.eye(3, 4))
     torch.testing.assert_close(torch.zeros_like(torch.empty(3, device=dev)).cpu(), torch.zeros(3))
     torch.testing.assert_close(torch.tensor([1, 2, 3], device=dev).cpu(), torch.tensor([1, 2, 3]))
+    torch.testing.assert_close(torch.arange(-3, 10, 3, dtype=torch.int32, device=dev).cpu(),
+                               torch.arange(-3, 10, 3, dtype=torch.int32))
+    assert not torch_pjrt.metrics()["cpu_fallbacks"], "factories are lowered, not run on the CPU"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -90,9 +90,50 @@ std::vector<Value> lower_topk(Context& c) {
   return {c.b.slice(sorted[0], start, limit, strides), c.b.slice(sorted[1], start, limit, strides)};
 }
 
+// ---- factories (their out= forms: `torch.arange(..., device="tpu")` ends here) ----
+
+// start + i * step, computed in f64 (or s64 for integer outputs) as PyTorch's
+// CPU kernel accumulates; the bounds are baked: they decide the length.
+std::vector<Value> lower_arange(Context& c) {
+  const OutputMeta& o = c.output(0);
+  bool integral = !is_float(o.element);
+  ElementType e = integral ? ElementType::S64 : ElementType::F64;
+  double start = c.has("start") ? c.scalar_value("start") : 0, step = c.has("step") ? c.scalar_value("step") : 1;
+  Value i = c.b.iota(TensorType{e, o.dims}, 0);
+  Value v = c.b.binary("add", c.b.binary("multiply", i, c.b.constant(step, e, o.dims)), c.b.constant(start, e, o.dims));
+  return {v};
+}
+
+// Symmetric like PyTorch's: the first half counts up from start, the second
+// half down from end, so both ends are exact.
+std::vector<Value> lower_linspace(Context& c) {
+  const OutputMeta& o = c.output(0);
+  int64_t steps = c.int_arg("steps");
+  ElementType e = is_float(o.element) && o.element != ElementType::F64 ? ElementType::F32 : ElementType::F64;
+  if (steps <= 1) return {c.b.broadcast_in_dim(c.scalar("start", e), o.dims, {})};
+  Value start = c.b.broadcast_in_dim(c.scalar("start", e), o.dims, {});
+  Value end = c.b.broadcast_in_dim(c.scalar("end", e), o.dims, {});
+  Value step = c.b.binary("divide", c.b.binary("subtract", end, start), c.b.constant(static_cast<double>(steps - 1), e, o.dims));
+  Value i = c.b.iota(TensorType{e, o.dims}, 0);
+  Value up = c.b.binary("add", start, c.b.binary("multiply", i, step));
+  Value back = c.b.binary("subtract", c.b.constant(static_cast<double>(steps - 1), e, o.dims), i);
+  Value down = c.b.binary("subtract", end, c.b.binary("multiply", back, step));
+  Value first_half = c.b.compare(i, c.b.constant(static_cast<double>(steps / 2), e, o.dims), hlo::Compare::LT);
+  return {c.b.select(first_half, up, down)};
+}
+
+std::vector<Value> lower_eye(Context& c) {
+  const OutputMeta& o = c.output(0);
+  Value row = c.b.iota(TensorType{ElementType::S64, o.dims}, 0), col = c.b.iota(TensorType{ElementType::S64, o.dims}, 1);
+  return {c.b.compare(row, col, hlo::Compare::EQ)};
+}
+
 }  // namespace
 
 void register_shape(Table& t) {
+  add_lowering(t, "arange", lower_arange, /*bake_scalars=*/true);
+  add_lowering(t, "linspace", lower_linspace);
+  add_lowering(t, "eye", lower_eye);
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
            {"cat", lower_cat}, {"flip", lower_flip}, {"roll", lower_roll}, {"tril", lower_tril},
            {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
