@@ -8,25 +8,20 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <ATen/core/Tensor.h>
-#include <c10/core/TensorImpl.h>
 #include <set>
 #include <unordered_map>
 
 #include "aten/device.h"
+#include "aten/fused_graph.h"
+#include "aten/op_call.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
 #include "graph/strided_view.h"
 #include "pjrt/error.h"
 
 namespace torch_pjrt {
-namespace {
 
 using graph::metrics;
-using lowering::OutputMeta;
-using lowering::Value;
-
-constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
 
 // ---- dtype mapping --------------------------------------------------------
 
@@ -74,10 +69,14 @@ ElementType element_or_throw(at::ScalarType t) {
   return *e;
 }
 
+namespace {
+
 // ---- pending work ---------------------------------------------------------
 
 std::mutex g_pending_mutex;
 std::deque<std::unique_ptr<pjrt::Event>> g_pending;
+
+}  // namespace
 
 void track(std::unique_ptr<pjrt::Event> done) {
   if (!done) return;
@@ -93,6 +92,8 @@ void track(std::unique_ptr<pjrt::Event> done) {
   }
   g_pending.push_back(std::move(done));
 }
+
+namespace {
 
 // Host values of Scalar operands are few and repeat (alpha=1, lr): keep their
 // device buffers instead of uploading one per op.
@@ -134,6 +135,8 @@ pjrt::BufferPtr upload(const at::Tensor& cpu, int device) {
   return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
 }
 
+}  // namespace
+
 // What a storage holds for a program: its buffer's type, the type a recorded
 // graph will give it (pending), or nothing (never written: zeros).
 std::optional<lowering::TensorType> storage_type(const StorageState& st) {
@@ -142,55 +145,9 @@ std::optional<lowering::TensorType> storage_type(const StorageState& st) {
   return std::nullopt;
 }
 
+namespace {
+
 // ---- signatures -----------------------------------------------------------
-
-// Where an operand of a cached program comes from, replayed on every call.
-struct OperandRef {
-  enum Kind { Storage, Host, Scalar, Rng } kind;
-  int arg = 0;
-  int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
-  ElementType element = ElementType::F32;
-  uint64_t count = 0;  // random numbers drawn, for Rng
-};
-
-struct OutputPlan {
-  bool absent = false;  // an undefined tensor (a gradient output_mask turned off)
-  bool write = false;   // true: replaces the storage of argument `arg`
-  int arg = 0;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> dims;
-};
-
-struct MetaResult {
-  std::vector<OutputMeta> outputs;
-  std::vector<at::ScalarType> dtypes;
-  std::vector<bool> absent;  // per output: an undefined return
-  std::vector<int> return_counts;
-};
-
-struct CachedOp {
-  pjrt::ExecutablePtr exe;  // strict/debug: the op's own program (fused modes need none)
-  MetaResult meta;
-  const lowering::LoweringEntry* entry = nullptr;
-  bool operands_known = false;
-  bool outputs_empty = false;  // every output has zero elements: nothing to run
-  std::string unsupported;  // set when lowering failed: the op always falls back
-  std::vector<OperandRef> operands;
-  std::vector<OutputPlan> outputs;
-  std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
-};
-
-// Every argument of a call, with the schema facts the executor needs.
-struct Call {
-  const c10::OperatorHandle& op;
-  const c10::FunctionSchema& schema;
-  std::vector<c10::IValue> args;
-  std::vector<int> written;  // argument indices the op writes (in-place / out=)
-  // True when the op returns the tensors it writes (add_, add.out); false when
-  // it writes some arguments besides its returns (batch norm's running stats).
-  bool returns_written = false;
-  int device = -1;
-};
 
 bool is_scalar_arg(const c10::Argument& a) {
   auto kind = a.type()->kind();
@@ -198,12 +155,16 @@ bool is_scalar_arg(const c10::Argument& a) {
   return kind == c10::TypeKind::NumberType;
 }
 
+}  // namespace
+
 at::Tensor item_tensor(const c10::IValue& v, int item) {
   if (item < 0) return v.toTensor();
   if (v.isTensorList()) return v.toTensorList().get(item);
   auto opt = v.toList().get(item);
   return opt.isNone() ? at::Tensor() : opt.toTensor();
 }
+
+namespace {
 
 struct KeyBuilder {
   std::string key;
@@ -344,29 +305,6 @@ at::Tensor meta_like(const at::Tensor& t) {
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
 }
 
-// `v` with `fn` applied to every tensor in it (a Tensor, Tensor[] or Tensor?[]).
-template <typename Fn>
-c10::IValue map_tensors(const c10::IValue& v, Fn fn) {
-  if (v.isTensor()) return fn(v.toTensor());
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(fn(t));
-    return out;
-  }
-  if (v.isList()) {
-    auto list = v.toList();
-    if (list.size() > 0 && (list.get(0).isTensor() || list.get(0).isNone())) {
-      c10::List<std::optional<at::Tensor>> out;
-      for (size_t i = 0; i < list.size(); ++i) {
-        auto item = list.get(i);
-        out.push_back(item.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(fn(item.toTensor())));
-      }
-      return out;
-    }
-  }
-  return v;
-}
-
 c10::IValue meta_value(const c10::IValue& v) {
   // Factories name their device: on tpu the meta call would come back here.
   if (v.isDevice()) return c10::Device(at::kMeta);
@@ -418,13 +356,6 @@ MetaResult infer_meta(const Call& call) {
 }
 
 // ---- the lowering context over a real call --------------------------------
-
-// Where a fused graph keeps the current value of each storage it touches.
-struct GraphValues {
-  std::unordered_map<const StorageState*, Value> values;
-  // Storages the graph reads before writing: their buffer's type when recorded.
-  std::unordered_map<const StorageState*, lowering::TensorType> inputs;
-};
 
 class CallContext final : public lowering::Context {
  public:
@@ -583,13 +514,13 @@ class CallContext final : public lowering::Context {
 
 // ---- building and running ---------------------------------------------------
 
+}  // namespace
+
 std::string op_name(const c10::FunctionSchema& s) {
   std::string name = s.name();
   if (!s.overload_name().empty()) name += "." + s.overload_name();
   return name;
 }
-
-}  // namespace
 
 std::string base_name(const c10::FunctionSchema& s) {
   std::string name = s.name();
@@ -667,6 +598,15 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   return flats;
 }
 
+}  // namespace
+
+std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph) {
+  CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
+  return emit(b, call, cached, ctx);
+}
+
+namespace {
+
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached) {
   lowering::Builder b;
@@ -719,6 +659,8 @@ void debug_checks(const Call& call) {
     check_index_range(arg("indices").toTensor(), arg("num_weights").toInt(), false, call.schema.name());
   }
 }
+
+}  // namespace
 
 // A buffer for an operand that is not a storage: a CPU tensor, a Scalar, or
 // a fresh RNG state (drawn now, so every mode sees the same stream).
@@ -781,6 +723,8 @@ void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
   }
 }
 
+namespace {
+
 // Strict and debug modes: runs the op's own program now (asynchronously).
 void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
   std::vector<pjrt::BufferPtr> holders;
@@ -799,260 +743,6 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   track(std::move(result.done));
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
-}
-
-// ---- fused graphs (fused and lazy modes) ------------------------------------
-//
-// Ops are recorded instead of run. Each recorded op keeps a snapshot of its
-// arguments (tensor metadata as it was), and the graph resolves every operand
-// that is not a storage at record time. At a flush the graph runs as one
-// program whose outputs are the storages it wrote that are still referenced
-// outside it; dead intermediates stay inside. The graph's key (the ops'
-// signatures plus how storages flow between them) finds a compiled program
-// without lowering anything again.
-
-struct RecordedOp {
-  c10::OperatorHandle op;
-  std::shared_ptr<CachedOp> cached;
-  std::string key;  // the op's signature and which graph storages it touches
-  std::vector<c10::IValue> args;
-  std::vector<int> written;
-  bool returns_written;
-  std::vector<const StorageState*> new_storages;  // per new (non-written) output
-};
-
-struct PendingGraph {
-  std::recursive_mutex mutex;
-  int device = -1;
-  std::vector<RecordedOp> ops;
-  std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
-  std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
-  std::unordered_map<const StorageState*, int> ids;
-  std::vector<char> written, has_value;
-  std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
-  GraphValues inputs;              // record-time types of storages read before written
-  std::string key;
-};
-
-PendingGraph& pending_graph() {
-  static PendingGraph* g = new PendingGraph();  // never destroyed: outlives static storages
-  return *g;
-}
-
-struct CompiledGraph {
-  pjrt::ExecutablePtr exe;
-};
-std::mutex g_graph_cache_mutex;
-std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> g_graph_cache;
-
-int storage_id(PendingGraph& g, const c10::Storage& storage) {
-  const StorageState* st = &storage_state(storage);
-  auto [it, fresh] = g.ids.emplace(st, static_cast<int>(g.storages.size()));
-  if (fresh) {
-    g.storages.push_back(storage);
-    g.written.push_back(0);
-    g.has_value.push_back(0);
-    g.snapshot_refs.push_back(0);
-  }
-  return it->second;
-}
-
-// A tensor with `t`'s metadata and storage that later metadata changes to `t`
-// (resize_, set_, transpose_) cannot reach.
-at::Tensor snapshot_tensor(PendingGraph& g, const at::Tensor& t) {
-  if (!t.defined() || t.device().type() != kTpu) return t;
-  auto snap = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
-  snap.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  ++g.snapshot_refs[storage_id(g, t.storage())];
-  return snap;
-}
-
-c10::IValue snapshot_value(PendingGraph& g, const c10::IValue& v, std::string& key) {
-  return map_tensors(v, [&](const at::Tensor& t) {
-    if (t.defined() && t.device().type() == kTpu) key += std::to_string(storage_id(g, t.storage())) + ",";
-    return snapshot_tensor(g, t);
-  });
-}
-
-void mark_written(PendingGraph& g, const at::Tensor& t) {
-  int id = storage_id(g, t.storage());
-  g.written[id] = g.has_value[id] = 1;
-  StorageState& st = storage_state(t.storage());
-  st.pending = true;
-  st.pending_element = element_or_throw(t.scalar_type());
-  st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
-}
-
-void run_graph(PendingGraph& g);
-
-size_t graph_op_limit() {
-  static size_t limit = [] {
-    const char* env = std::getenv("TORCH_PJRT_FUSION_LIMIT");
-    return env ? static_cast<size_t>(std::atoll(env)) : size_t{2000};
-  }();
-  return limit;
-}
-
-void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
-            const std::string& op_key) {
-  PendingGraph& g = pending_graph();
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  if (g.device >= 0 && g.device != call.device) run_graph(g);
-  g.device = call.device;
-  // Operands in the order the op's lowering asks for them (see emit()).
-  for (const OperandRef& ref : cached->operands) {
-    if (ref.kind != OperandRef::Storage) {
-      g.operands.push_back(operand_buffer(call, ref));
-      continue;
-    }
-    const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
-    int id = storage_id(g, storage);
-    if (g.has_value[id]) continue;  // an earlier op wrote it, or it is already a parameter
-    g.has_value[id] = 1;
-    const StorageState& st = storage_state(storage);
-    g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
-    g.operands.push_back(st.buffer);
-  }
-  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}};
-  for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
-  g.key += rec.key;
-  std::vector<at::Tensor> outs = output_tensors(call, *cached);
-  for (size_t i = 0; i < outs.size(); ++i) {
-    if (!outs[i].defined()) continue;
-    mark_written(g, outs[i]);
-    if (!cached->outputs[i].write) rec.new_storages.push_back(&storage_state(outs[i].storage()));
-  }
-  g.key += ';';
-  g.ops.push_back(std::move(rec));
-  ++metrics().fused_ops;
-  ++metrics().lowered_ops[op_name(call.schema)];
-  push_returns(stack, nargs, *cached, outs);
-  if (mode() == Mode::Fused && g.ops.size() >= graph_op_limit()) run_graph(g);
-}
-
-std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live) {
-  lowering::Builder b;
-  GraphValues values;
-  values.inputs = g.inputs.inputs;
-  for (RecordedOp& rec : g.ops) {
-    Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
-    CallContext ctx(b, call, rec.cached->meta, rec.cached->entry->bake_scalars, &values);
-    std::vector<Value> flats = emit(b, call, *rec.cached, ctx);
-    size_t next_flat = 0, next_new = 0;
-    for (const OutputPlan& p : rec.cached->outputs) {
-      if (p.absent) continue;
-      const StorageState* st = p.write ? &storage_state(call.args[p.arg].toTensor().storage()) : rec.new_storages[next_new++];
-      values.values.insert_or_assign(st, flats[next_flat++]);
-    }
-  }
-  std::vector<Value> outputs;
-  for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
-  auto compiled = std::make_shared<CompiledGraph>();
-  compiled->exe = compile_cache().get_or_compile(b.finish(outputs), g.device);
-  return compiled;
-}
-
-// "aten::add.Tensor(f32[3, 4], f32[4])": what a recompile explanation shows.
-std::string describe(const RecordedOp& rec) {
-  std::string text = op_name(rec.op.schema()) + "(";
-  bool first = true;
-  for (const c10::IValue& v : rec.args) {
-    map_tensors(v, [&](const at::Tensor& t) {
-      if (t.defined()) {
-        text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
-        first = false;
-      }
-      return t;
-    });
-  }
-  return text + ")";
-}
-
-// Recompilation explainer: says how a graph that missed the cache differs
-// from the graph compiled before it.
-void explain_recompile(const PendingGraph& g) {
-  static std::vector<std::string> last_keys, last_descriptions;
-  std::vector<std::string> keys, descriptions;
-  for (const RecordedOp& rec : g.ops) {
-    keys.push_back(rec.key);
-    descriptions.push_back(describe(rec));
-  }
-  std::string reason;
-  if (!last_keys.empty()) {
-    size_t k = 0;
-    while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
-    if (k < keys.size() && k < last_keys.size()) {
-      reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
-               last_descriptions[k];
-      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing or tensor flow differ)";
-    } else if (keys.size() != last_keys.size()) {
-      reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
-               std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
-    } else {
-      reason = "same ops; a different set of results is still in use";
-    }
-    auto& reasons = metrics().recompile_reasons;
-    reasons.push_back("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
-    if (reasons.size() > 50) reasons.erase(reasons.begin());
-  }
-  last_keys = std::move(keys);
-  last_descriptions = std::move(descriptions);
-}
-
-void clear_graph(PendingGraph& g) {
-  for (size_t id = 0; id < g.storages.size(); ++id)
-    if (g.written[id]) storage_state(g.storages[id]).pending = false;
-  g.ops.clear();
-  g.operands.clear();
-  g.storages.clear();
-  g.ids.clear();
-  g.written.clear();
-  g.has_value.clear();
-  g.snapshot_refs.clear();
-  g.inputs.inputs.clear();
-  g.key.clear();
-  g.device = -1;
-}
-
-void run_graph(PendingGraph& g) {
-  if (g.ops.empty()) return;
-  // Outputs: written storages that something besides this graph still holds.
-  std::vector<int> live;
-  std::string key = g.key + "|live:";
-  for (size_t id = 0; id < g.storages.size(); ++id) {
-    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
-      live.push_back(static_cast<int>(id));
-      key += std::to_string(id) + ",";
-    }
-  }
-  size_t op_count = g.ops.size();
-  try {
-    std::shared_ptr<CompiledGraph> compiled;
-    {
-      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
-      auto it = g_graph_cache.find(key);
-      if (it != g_graph_cache.end()) compiled = it->second;
-    }
-    if (compiled) {
-      ++metrics().graph_cache_hits;
-    } else {
-      explain_recompile(g);
-      compiled = compile_graph(g, live);
-      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
-      g_graph_cache.emplace(std::move(key), compiled);
-    }
-    std::vector<pjrt::Buffer*> buffers;
-    for (const auto& b : g.operands) buffers.push_back(b.get());
-    auto result = compiled->exe->execute(buffers);
-    for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
-    ++metrics().executions;
-    ++metrics().graphs;
-    clear_graph(g);
-    track(std::move(result.done));
-  } catch (const std::exception& e) {
-    clear_graph(g);
-    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed: ", e.what());
-  }
 }
 
 std::mutex g_cache_mutex;
@@ -1192,12 +882,6 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
     TORCH_CHECK(false, op_name(op.schema()), " failed on the tpu device: ", e.what());
   }
   cpu_fallback(op, stack, why);
-}
-
-void flush_pending() {
-  PendingGraph& g = pending_graph();
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  run_graph(g);
 }
 
 at::Tensor to_host(const at::Tensor& t) {

@@ -1,0 +1,282 @@
+// Fused graphs (fused and lazy modes).
+//
+// Ops are recorded instead of run. Each recorded op keeps a snapshot of its
+// arguments (tensor metadata as it was), and the graph resolves every operand
+// that is not a storage at record time. At a flush the graph runs as one
+// program whose outputs are the storages it wrote that are still referenced
+// outside it; dead intermediates stay inside. The graph's key (the ops'
+// signatures plus how storages flow between them) finds a compiled program
+// without lowering anything again.
+
+#include "aten/fused_graph.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "aten/executor.h"
+#include "graph/metrics.h"
+
+namespace torch_pjrt {
+namespace {
+
+using graph::metrics;
+
+struct RecordedOp {
+  c10::OperatorHandle op;
+  std::shared_ptr<CachedOp> cached;
+  std::string key;  // the op's signature and which graph storages it touches
+  std::vector<c10::IValue> args;
+  std::vector<int> written;
+  bool returns_written;
+  std::vector<const StorageState*> new_storages;  // per new (non-written) output
+};
+
+struct PendingGraph {
+  std::recursive_mutex mutex;
+  int device = -1;
+  std::vector<RecordedOp> ops;
+  std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
+  std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
+  std::unordered_map<const StorageState*, int> ids;
+  std::vector<char> written, has_value;
+  std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
+  GraphValues inputs;              // record-time types of storages read before written
+  std::string key;
+};
+
+PendingGraph& pending_graph() {
+  static PendingGraph* g = new PendingGraph();  // never destroyed: outlives static storages
+  return *g;
+}
+
+struct CompiledGraph {
+  pjrt::ExecutablePtr exe;
+};
+std::mutex g_graph_cache_mutex;
+std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> g_graph_cache;
+
+int storage_id(PendingGraph& g, const c10::Storage& storage) {
+  const StorageState* st = &storage_state(storage);
+  auto [it, fresh] = g.ids.emplace(st, static_cast<int>(g.storages.size()));
+  if (fresh) {
+    g.storages.push_back(storage);
+    g.written.push_back(0);
+    g.has_value.push_back(0);
+    g.snapshot_refs.push_back(0);
+  }
+  return it->second;
+}
+
+// A tensor with `t`'s metadata and storage that later metadata changes to `t`
+// (resize_, set_, transpose_) cannot reach.
+at::Tensor snapshot_tensor(PendingGraph& g, const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != kTpu) return t;
+  auto snap = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  snap.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  ++g.snapshot_refs[storage_id(g, t.storage())];
+  return snap;
+}
+
+c10::IValue snapshot_value(PendingGraph& g, const c10::IValue& v, std::string& key) {
+  return map_tensors(v, [&](const at::Tensor& t) {
+    if (t.defined() && t.device().type() == kTpu) key += std::to_string(storage_id(g, t.storage())) + ",";
+    return snapshot_tensor(g, t);
+  });
+}
+
+void mark_written(PendingGraph& g, const at::Tensor& t) {
+  int id = storage_id(g, t.storage());
+  g.written[id] = g.has_value[id] = 1;
+  StorageState& st = storage_state(t.storage());
+  st.pending = true;
+  st.pending_element = element_or_throw(t.scalar_type());
+  st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
+}
+
+void run_graph(PendingGraph& g);
+
+size_t graph_op_limit() {
+  static size_t limit = [] {
+    const char* env = std::getenv("TORCH_PJRT_FUSION_LIMIT");
+    return env ? static_cast<size_t>(std::atoll(env)) : size_t{2000};
+  }();
+  return limit;
+}
+
+}  // namespace
+
+void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
+            const std::string& op_key) {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.device >= 0 && g.device != call.device) run_graph(g);
+  g.device = call.device;
+  // Operands in the order the op's lowering asks for them (see emit()).
+  for (const OperandRef& ref : cached->operands) {
+    if (ref.kind != OperandRef::Storage) {
+      g.operands.push_back(operand_buffer(call, ref));
+      continue;
+    }
+    const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
+    int id = storage_id(g, storage);
+    if (g.has_value[id]) continue;  // an earlier op wrote it, or it is already a parameter
+    g.has_value[id] = 1;
+    const StorageState& st = storage_state(storage);
+    g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
+    g.operands.push_back(st.buffer);
+  }
+  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}};
+  for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
+  g.key += rec.key;
+  std::vector<at::Tensor> outs = output_tensors(call, *cached);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].defined()) continue;
+    mark_written(g, outs[i]);
+    if (!cached->outputs[i].write) rec.new_storages.push_back(&storage_state(outs[i].storage()));
+  }
+  g.key += ';';
+  g.ops.push_back(std::move(rec));
+  ++metrics().fused_ops;
+  ++metrics().lowered_ops[op_name(call.schema)];
+  push_returns(stack, nargs, *cached, outs);
+  if (mode() == Mode::Fused && g.ops.size() >= graph_op_limit()) run_graph(g);
+}
+
+namespace {
+
+std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live) {
+  lowering::Builder b;
+  GraphValues values;
+  values.inputs = g.inputs.inputs;
+  for (RecordedOp& rec : g.ops) {
+    Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
+    std::vector<Value> flats = emit_op(b, call, *rec.cached, &values);
+    size_t next_flat = 0, next_new = 0;
+    for (const OutputPlan& p : rec.cached->outputs) {
+      if (p.absent) continue;
+      const StorageState* st = p.write ? &storage_state(call.args[p.arg].toTensor().storage()) : rec.new_storages[next_new++];
+      values.values.insert_or_assign(st, flats[next_flat++]);
+    }
+  }
+  std::vector<Value> outputs;
+  for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
+  auto compiled = std::make_shared<CompiledGraph>();
+  compiled->exe = compile_cache().get_or_compile(b.finish(outputs), g.device);
+  return compiled;
+}
+
+// "aten::add.Tensor(f32[3, 4], f32[4])": what a recompile explanation shows.
+std::string describe(const RecordedOp& rec) {
+  std::string text = op_name(rec.op.schema()) + "(";
+  bool first = true;
+  for (const c10::IValue& v : rec.args) {
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
+        first = false;
+      }
+      return t;
+    });
+  }
+  return text + ")";
+}
+
+// Recompilation explainer: says how a graph that missed the cache differs
+// from the graph compiled before it.
+void explain_recompile(const PendingGraph& g) {
+  static std::vector<std::string> last_keys, last_descriptions;
+  std::vector<std::string> keys, descriptions;
+  for (const RecordedOp& rec : g.ops) {
+    keys.push_back(rec.key);
+    descriptions.push_back(describe(rec));
+  }
+  std::string reason;
+  if (!last_keys.empty()) {
+    size_t k = 0;
+    while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
+    if (k < keys.size() && k < last_keys.size()) {
+      reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
+               last_descriptions[k];
+      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing or tensor flow differ)";
+    } else if (keys.size() != last_keys.size()) {
+      reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
+               std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
+    } else {
+      reason = "same ops; a different set of results is still in use";
+    }
+    auto& reasons = metrics().recompile_reasons;
+    reasons.push_back("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
+    if (reasons.size() > 50) reasons.erase(reasons.begin());
+  }
+  last_keys = std::move(keys);
+  last_descriptions = std::move(descriptions);
+}
+
+void clear_graph(PendingGraph& g) {
+  for (size_t id = 0; id < g.storages.size(); ++id)
+    if (g.written[id]) storage_state(g.storages[id]).pending = false;
+  g.ops.clear();
+  g.operands.clear();
+  g.storages.clear();
+  g.ids.clear();
+  g.written.clear();
+  g.has_value.clear();
+  g.snapshot_refs.clear();
+  g.inputs.inputs.clear();
+  g.key.clear();
+  g.device = -1;
+}
+
+void run_graph(PendingGraph& g) {
+  if (g.ops.empty()) return;
+  // Outputs: written storages that something besides this graph still holds.
+  std::vector<int> live;
+  std::string key = g.key + "|live:";
+  for (size_t id = 0; id < g.storages.size(); ++id) {
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
+      live.push_back(static_cast<int>(id));
+      key += std::to_string(id) + ",";
+    }
+  }
+  size_t op_count = g.ops.size();
+  try {
+    std::shared_ptr<CompiledGraph> compiled;
+    {
+      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
+      auto it = g_graph_cache.find(key);
+      if (it != g_graph_cache.end()) compiled = it->second;
+    }
+    if (compiled) {
+      ++metrics().graph_cache_hits;
+    } else {
+      explain_recompile(g);
+      compiled = compile_graph(g, live);
+      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
+      g_graph_cache.emplace(std::move(key), compiled);
+    }
+    std::vector<pjrt::Buffer*> buffers;
+    for (const auto& b : g.operands) buffers.push_back(b.get());
+    auto result = compiled->exe->execute(buffers);
+    for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
+    ++metrics().executions;
+    ++metrics().graphs;
+    clear_graph(g);
+    track(std::move(result.done));
+  } catch (const std::exception& e) {
+    clear_graph(g);
+    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed: ", e.what());
+  }
+}
+
+}  // namespace
+
+void flush_pending() {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  run_graph(g);
+}
+
+}  // namespace torch_pjrt

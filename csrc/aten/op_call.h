@@ -1,0 +1,124 @@
+// What the executor knows about one op call, shared by the strict/debug path
+// (executor.cpp) and fused graphs (fused_graph.cpp): the call's arguments, its
+// cached plan (outputs, operands, lowering) and the helpers both paths use.
+// Internal to the aten layer.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "aten/device.h"
+#include "aten/lowering.h"
+
+namespace torch_pjrt {
+
+using lowering::OutputMeta;
+using lowering::Value;
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+
+// Where an operand of a cached program comes from, replayed on every call.
+struct OperandRef {
+  enum Kind { Storage, Host, Scalar, Rng } kind;
+  int arg = 0;
+  int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
+  ElementType element = ElementType::F32;
+  uint64_t count = 0;  // random numbers drawn, for Rng
+};
+
+struct OutputPlan {
+  bool absent = false;  // an undefined tensor (a gradient output_mask turned off)
+  bool write = false;   // true: replaces the storage of argument `arg`
+  int arg = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> dims;
+};
+
+struct MetaResult {
+  std::vector<OutputMeta> outputs;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<bool> absent;  // per output: an undefined return
+  std::vector<int> return_counts;
+};
+
+struct CachedOp {
+  pjrt::ExecutablePtr exe;  // strict/debug: the op's own program (fused modes need none)
+  MetaResult meta;
+  const lowering::LoweringEntry* entry = nullptr;
+  bool operands_known = false;
+  bool outputs_empty = false;  // every output has zero elements: nothing to run
+  std::string unsupported;  // set when lowering failed: the op always falls back
+  std::vector<OperandRef> operands;
+  std::vector<OutputPlan> outputs;
+  std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
+};
+
+// Every argument of a call, with the schema facts the executor needs.
+struct Call {
+  const c10::OperatorHandle& op;
+  const c10::FunctionSchema& schema;
+  std::vector<c10::IValue> args;
+  std::vector<int> written;  // argument indices the op writes (in-place / out=)
+  // True when the op returns the tensors it writes (add_, add.out); false when
+  // it writes some arguments besides its returns (batch norm's running stats).
+  bool returns_written = false;
+  int device = -1;
+};
+
+// Where a fused graph keeps the current value of each storage it touches.
+struct GraphValues {
+  std::unordered_map<const StorageState*, Value> values;
+  // Storages the graph reads before writing: their buffer's type when recorded.
+  std::unordered_map<const StorageState*, lowering::TensorType> inputs;
+};
+
+// `v` with `fn` applied to every tensor in it (a Tensor, Tensor[] or Tensor?[]).
+template <typename Fn>
+c10::IValue map_tensors(const c10::IValue& v, Fn fn) {
+  if (v.isTensor()) return fn(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(fn(t));
+    return out;
+  }
+  if (v.isList()) {
+    auto list = v.toList();
+    if (list.size() > 0 && (list.get(0).isTensor() || list.get(0).isNone())) {
+      c10::List<std::optional<at::Tensor>> out;
+      for (size_t i = 0; i < list.size(); ++i) {
+        auto item = list.get(i);
+        out.push_back(item.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(fn(item.toTensor())));
+      }
+      return out;
+    }
+  }
+  return v;
+}
+
+// dtype mapping; element_or_throw raises for dtypes XLA has no type for.
+std::optional<ElementType> element_of(at::ScalarType t);
+at::ScalarType scalar_type_of(ElementType e);
+ElementType element_or_throw(at::ScalarType t);
+
+std::string op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
+at::Tensor item_tensor(const c10::IValue& v, int item);
+std::optional<lowering::TensorType> storage_type(const StorageState& st);
+
+// Keeps an execution's completion event; debug mode waits for it at once.
+void track(std::unique_ptr<pjrt::Event> done);
+
+// Lowers one op into `b`; in a fused graph, `graph` threads storage values
+// from op to op. Returns one flat value per present output.
+std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph);
+
+pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
+std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
+void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
+
+}  // namespace torch_pjrt
