@@ -114,8 +114,30 @@ def first_step_seconds(cache_dir):
     return float(seconds), int(compiles), int(hits)
 
 
+def record_cost():
+    """Host time per op when ops are only recorded (lazy mode, warm caches)."""
+    a = torch.randn(4, 4, device="tpu")
+    with torch_pjrt.mode("lazy"):
+        for _ in range(2):
+            start = time.perf_counter()
+            b = a
+            for _ in range(500):
+                b = b + 1.0
+            recorded = time.perf_counter() - start
+            torch_pjrt.sync()
+            b.cpu()
+    eager_cpu = a.cpu()
+    start = time.perf_counter()
+    c = eager_cpu
+    for _ in range(500):
+        c = c + 1.0
+    cpu = time.perf_counter() - start
+    print(f"== host cost per op: recorded {recorded / 500 * 1e6:.1f} us, CPU eager {cpu / 500 * 1e6:.1f} us ==")
+
+
 def main():
     print("platform:", torch_pjrt.platform())
+    record_cost()
     for name, setup, steps in [("MLP", mlp_setup, 20), ("GPT 4x256, seq 128", gpt_setup, 3)]:
         print(f"\n== {name}: training step (forward, backward, AdamW) ==")
         cpu = step_time(setup, "cpu", "strict", steps)

@@ -110,9 +110,9 @@ std::vector<Value> lower_linspace(Context& c) {
   const OutputMeta& o = c.output(0);
   int64_t steps = c.int_arg("steps");
   ElementType e = is_float(o.element) && o.element != ElementType::F64 ? ElementType::F32 : ElementType::F64;
-  if (steps <= 1) return {c.b.broadcast_in_dim(c.scalar("start", e), o.dims, {})};
-  Value start = c.b.broadcast_in_dim(c.scalar("start", e), o.dims, {});
-  Value end = c.b.broadcast_in_dim(c.scalar("end", e), o.dims, {});
+  Value start = operand(c, "start", e, o.dims);  // a Scalar, or a 0-d tensor in the Tensor overloads
+  if (steps <= 1) return {start};
+  Value end = operand(c, "end", e, o.dims);
   Value step = c.b.binary("divide", c.b.binary("subtract", end, start), c.b.constant(static_cast<double>(steps - 1), e, o.dims));
   Value i = c.b.iota(TensorType{e, o.dims}, 0);
   Value up = c.b.binary("add", start, c.b.binary("multiply", i, step));
