@@ -16,7 +16,10 @@ Metrics& metrics() {
 void reset_metrics() { metrics() = Metrics{}; }
 
 pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, size_t device_index) {
-  std::string key = std::to_string(device_index) + "\n" + program;
+  // The serialized compile options are part of the key: the same program
+  // built for other replicas or partitions is another executable.
+  static const std::string options = pjrt::CompileOptions{}.serialize();
+  std::string key = std::to_string(device_index) + "\n" + options + "\n" + program;
   auto it = entries_.find(key);
   if (it != entries_.end()) {
     ++metrics().compile_cache_hits;
