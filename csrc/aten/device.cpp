@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 namespace torch_pjrt {
@@ -78,11 +79,18 @@ DeviceMemory& memory() {
   return m;
 }
 
+// Live storages, so that a storage address coming from Python can be checked.
+std::unordered_set<const StorageState*>& live_storages() {
+  static auto* live = new std::unordered_set<const StorageState*>();
+  return *live;
+}
+
 void delete_storage(void* ctx) {
   auto* state = static_cast<StorageState*>(ctx);
   {
     std::lock_guard<std::mutex> lock(memory().mutex);
     memory().of(state->device).allocated_bytes[0].decrease(state->nbytes);
+    live_storages().erase(state);
   }
   delete state;
 }
@@ -95,6 +103,7 @@ struct TpuAllocator final : c10::DeviceAllocator {
       auto& s = memory().of(state->device);
       s.allocated_bytes[0].increase(nbytes);
       s.allocation[0].increase(1);
+      live_storages().insert(state);
     }
     // The data pointer is the state itself: unique per storage, never dereferenced.
     return {state, state, &delete_storage, c10::Device(kTpu, static_cast<c10::DeviceIndex>(state->device))};
@@ -250,6 +259,17 @@ StorageState& storage_state(const c10::Storage& storage) {
   TORCH_CHECK(ctx && storage.data_ptr().get_deleter() == &delete_storage,
               "internal: storage on ", storage.device(), " was not allocated by torch_pjrt");
   return *static_cast<StorageState*>(ctx);
+}
+
+uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
+  const StorageState* state = reinterpret_cast<const StorageState*>(storage_data_ptr);
+  {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    TORCH_CHECK(live_storages().count(state), "no live tpu storage has data_ptr ", storage_data_ptr);
+  }
+  if (!state->buffer) return 0;
+  state->buffer->wait_ready();
+  return state->buffer->device_address();
 }
 
 Mode mode() { return g_mode; }

@@ -27,6 +27,11 @@ struct StorageState {
 
 StorageState& storage_state(const c10::Storage& storage);
 
+// The plugin's address of the buffer behind a storage (0: no buffer yet),
+// given `untyped_storage().data_ptr()`. Tests use it to see buffer reuse; the
+// caller flushes pending graphs first.
+uintptr_t storage_buffer_address(uintptr_t storage_data_ptr);
+
 enum class Mode { Debug, Strict, Fused, Lazy };
 Mode mode();
 void set_mode(Mode mode);

@@ -127,10 +127,13 @@ pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
   return buf;
 }
 
-pjrt::BufferPtr upload(const at::Tensor& cpu, int device) {
+// `as_storage`: a storage's whole buffer, kept 1-D like every storage buffer
+// (a program's storage parameter type then follows from the op signature).
+pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false) {
   at::Tensor dense = cpu.contiguous();
   ElementType e = element_or_throw(dense.scalar_type());
   std::vector<int64_t> dims(dense.sizes().begin(), dense.sizes().end());
+  if (as_storage) dims = {dense.numel()};
   metrics().host_to_device_bytes += static_cast<int64_t>(dense.nbytes());
   return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
 }
@@ -924,7 +927,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
     // The common `.to("tpu")`: upload straight into the storage. A recorded
     // graph that writes this storage runs first, so its result cannot land later.
     if (st.pending) flush_pending();
-    st.buffer = upload(source.to(dst.scalar_type()), dst.device().index());
+    st.buffer = upload(source.to(dst.scalar_type()), dst.device().index(), /*as_storage=*/true);
     return;
   }
   torch::jit::Stack stack{dst, source, false};

@@ -14,6 +14,7 @@
 #include <c10/core/TensorImpl.h>
 
 #include <cstdlib>
+#include <map>
 #include <mutex>
 
 #include "aten/executor.h"
@@ -39,6 +40,7 @@ struct PendingGraph {
   int device = -1;
   std::vector<RecordedOp> ops;
   std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
+  std::vector<int> operand_storage;       // per operand: the storage id it is the buffer of, or -1
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
   std::vector<char> written, has_value;
@@ -118,6 +120,7 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   for (const OperandRef& ref : cached->operands) {
     if (ref.kind != OperandRef::Storage) {
       g.operands.push_back(operand_buffer(call, ref));
+      g.operand_storage.push_back(-1);
       continue;
     }
     const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
@@ -127,6 +130,7 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     const StorageState& st = storage_state(storage);
     g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
     g.operands.push_back(st.buffer);
+    g.operand_storage.push_back(id);
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}};
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
@@ -147,7 +151,8 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
 
 namespace {
 
-std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live) {
+std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
+                                             const std::map<int, int>& donated) {
   lowering::Builder b;
   GraphValues values;
   values.inputs = g.inputs.inputs;
@@ -164,7 +169,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
-  compiled->exe = compile_cache().get_or_compile(b.finish(outputs), g.device);
+  compiled->exe = compile_cache().get_or_compile(b.finish(outputs, donated), g.device);
   return compiled;
 }
 
@@ -220,6 +225,7 @@ void clear_graph(PendingGraph& g) {
     if (g.written[id]) storage_state(g.storages[id]).pending = false;
   g.ops.clear();
   g.operands.clear();
+  g.operand_storage.clear();
   g.storages.clear();
   g.ids.clear();
   g.written.clear();
@@ -228,6 +234,31 @@ void clear_graph(PendingGraph& g) {
   g.inputs.inputs.clear();
   g.key.clear();
   g.device = -1;
+}
+
+// Donation: a storage the graph reads and then overwrites (a parameter or an
+// optimizer state updated in place) gives its input buffer to its output, so
+// a step does not hold old and new values at once. Only buffers nothing else
+// holds are donated (the storage and the graph's operand list: two owners),
+// and only when the new value has the old buffer's type. Maps operand index
+// to output index.
+std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live) {
+  std::map<int, int> donated;
+  std::unordered_map<int, int> output_of;
+  for (size_t k = 0; k < live.size(); ++k) output_of.emplace(live[k], static_cast<int>(k));
+  for (size_t k = 0; k < g.operands.size(); ++k) {
+    int id = g.operand_storage[k];
+    if (id < 0 || !g.written[id]) continue;
+    auto out = output_of.find(id);
+    if (out == output_of.end()) continue;
+    const StorageState& st = storage_state(g.storages[id]);
+    const pjrt::BufferPtr& buffer = g.operands[k];
+    if (st.buffer != buffer || buffer.use_count() != 2) continue;
+    if (buffer->element_type() != st.pending_element || buffer->dims() != std::vector<int64_t>{st.pending_count})
+      continue;
+    donated.emplace(static_cast<int>(k), out->second);
+  }
+  return donated;
 }
 
 void run_graph(PendingGraph& g) {
@@ -241,6 +272,9 @@ void run_graph(PendingGraph& g) {
       key += std::to_string(id) + ",";
     }
   }
+  std::map<int, int> donated = donations(g, live);
+  key += "|donate:";
+  for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
   size_t op_count = g.ops.size();
   try {
     std::shared_ptr<CompiledGraph> compiled;
@@ -253,7 +287,7 @@ void run_graph(PendingGraph& g) {
       ++metrics().graph_cache_hits;
     } else {
       explain_recompile(g);
-      compiled = compile_graph(g, live);
+      compiled = compile_graph(g, live, donated);
       std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
       g_graph_cache.emplace(std::move(key), compiled);
     }
@@ -261,6 +295,10 @@ void run_graph(PendingGraph& g) {
     for (const auto& b : g.operands) buffers.push_back(b.get());
     auto result = compiled->exe->execute(buffers);
     for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
+    for (auto [operand, output] : donated) {
+      ++metrics().donated_buffers;
+      metrics().donated_bytes += static_cast<int64_t>(result.outputs[output]->byte_count());
+    }
     ++metrics().executions;
     ++metrics().graphs;
     clear_graph(g);

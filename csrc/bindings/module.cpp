@@ -96,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
     d["fused_ops"] = s.fused_ops;
     d["graphs"] = s.graphs;
     d["graph_cache_hits"] = s.graph_cache_hits;
+    d["donated_buffers"] = s.donated_buffers;
+    d["donated_bytes"] = s.donated_bytes;
     d["host_to_device_bytes"] = s.host_to_device_bytes;
     d["device_to_host_bytes"] = s.device_to_host_bytes;
     d["cpu_fallbacks"] = s.cpu_fallbacks;
@@ -104,4 +106,8 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("_reset_metrics", &graph::reset_metrics);
+  m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
+    flush_pending();
+    return storage_buffer_address(storage_data_ptr);
+  });
 }

@@ -24,6 +24,8 @@ struct Metrics {
   int64_t fused_ops = 0;         // ops recorded into fused graphs
   int64_t graphs = 0;            // fused graphs run
   int64_t graph_cache_hits = 0;  // graphs found by structure, nothing lowered
+  int64_t donated_buffers = 0;   // graph inputs whose buffer an in-place result reused
+  int64_t donated_bytes = 0;
   int64_t host_to_device_bytes = 0;
   int64_t device_to_host_bytes = 0;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count

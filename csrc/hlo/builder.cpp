@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "pjrt/error.h"
 
@@ -519,11 +520,18 @@ std::vector<Value> Builder::rng_bit_generator(Value state, TensorType bits_type)
                     {state.type, bits_type}, "");
 }
 
-std::string Builder::finish(const std::vector<Value>& results) const {
+std::string Builder::finish(const std::vector<Value>& results, const std::map<int, int>& aliases) const {
   std::string text = "module @torch_pjrt {\n  func.func public @main(";
   for (size_t i = 0; i < params_.size(); ++i) {
     if (i) text += ", ";
     text += "%arg" + std::to_string(i) + ": " + params_[i].str();
+    auto alias = aliases.find(static_cast<int>(i));
+    if (alias == aliases.end()) continue;
+    int result = alias->second;
+    if (result < 0 || result >= static_cast<int>(results.size()) || !(results[result].type == params_[i]))
+      throw std::invalid_argument("parameter " + std::to_string(i) + " cannot alias result " + std::to_string(result) +
+                                  ": types differ");
+    text += " {tf.aliasing_output = " + std::to_string(result) + " : i32}";
   }
   text += ") -> (";
   for (size_t i = 0; i < results.size(); ++i) text += (i ? ", " : "") + results[i].type.str();

@@ -3,6 +3,7 @@
 // StableHLO versions. Values are SSA names tagged with their tensor type.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -102,7 +103,9 @@ class Builder {
   std::vector<Value> rng_bit_generator(Value state, TensorType bits_type);
 
   // Closes @main returning `results`; returns the module text.
-  std::string finish(const std::vector<Value>& results) const;
+  // `aliases` maps a parameter index to the result that may reuse its buffer
+  // (a donated input: an in-place update that does not double memory).
+  std::string finish(const std::vector<Value>& results, const std::map<int, int>& aliases = {}) const;
 
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,

@@ -88,4 +88,18 @@ void Buffer::wait_ready() const {
   Event(plugin_, args.event).wait();
 }
 
+uintptr_t Buffer::device_address() const {
+  auto args = PJRT_ARGS(PJRT_Buffer_UnsafePointer_Args);
+  args.buffer = buffer_;
+  plugin_->check(plugin_->api()->PJRT_Buffer_UnsafePointer(&args), "PJRT_Buffer_UnsafePointer");
+  return args.buffer_pointer;
+}
+
+bool Buffer::is_deleted() const {
+  auto args = PJRT_ARGS(PJRT_Buffer_IsDeleted_Args);
+  args.buffer = buffer_;
+  plugin_->check(plugin_->api()->PJRT_Buffer_IsDeleted(&args), "PJRT_Buffer_IsDeleted");
+  return args.is_deleted;
+}
+
 }  // namespace torch_pjrt::pjrt

@@ -26,6 +26,11 @@ class Buffer {
   void to_host(void* dst) const;
   // Waits until the value is computed; throws if the producing program failed.
   void wait_ready() const;
+  // The plugin's address for the buffer's memory (often the device address):
+  // equal addresses before and after a program show that it reused (donated) it.
+  uintptr_t device_address() const;
+  // True once a program consumed the buffer (donation).
+  bool is_deleted() const;
 
  private:
   std::shared_ptr<Plugin> plugin_;
