@@ -603,9 +603,18 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
 
 }  // namespace
 
+namespace {
+std::string g_compile_fault_op;
+}  // namespace
+
+void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
+
 std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph) {
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
-  return emit(b, call, cached, ctx);
+  std::vector<Value> flats = emit(b, call, cached, ctx);
+  if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
+    flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
+  return flats;
 }
 
 namespace {

@@ -27,4 +27,8 @@ void flush_pending();
 // Runs any recorded graph, then waits for all work enqueued so far.
 void synchronize();
 
+// Test hook: op `name` ("aten::tanh"), when lowered into a fused graph, calls a
+// kernel no plugin has, so the graph fails to compile. "" turns it off.
+void inject_compile_fault(const std::string& name);
+
 }  // namespace torch_pjrt

@@ -15,10 +15,13 @@
 
 #include <cstdlib>
 #include <map>
+#include <optional>
+#include <stdexcept>
 #include <mutex>
 
 #include "aten/executor.h"
 #include "graph/metrics.h"
+#include "graph/source_location.h"
 
 namespace torch_pjrt {
 namespace {
@@ -33,6 +36,7 @@ struct RecordedOp {
   std::vector<int> written;
   bool returns_written;
   std::vector<const StorageState*> new_storages;  // per new (non-written) output
+  graph::SourceLocation location;                 // the user's line that recorded it
 };
 
 struct PendingGraph {
@@ -112,6 +116,9 @@ size_t graph_op_limit() {
 
 void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
             const std::string& op_key) {
+  // Before the graph's lock: the capture takes the GIL, and a Python thread
+  // holding the GIL may be waiting for that lock.
+  graph::SourceLocation location = graph::capture_source_location();
   PendingGraph& g = pending_graph();
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (g.device >= 0 && g.device != call.device) run_graph(g);
@@ -132,7 +139,8 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operands.push_back(st.buffer);
     g.operand_storage.push_back(id);
   }
-  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}};
+  RecordedOp rec{call.op,           cached, op_key + '@', {}, call.written, call.returns_written, {},
+                 location};
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   g.key += rec.key;
   std::vector<at::Tensor> outs = output_tensors(call, *cached);
@@ -151,25 +159,71 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
 
 namespace {
 
-std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
-                                             const std::map<int, int>& donated) {
-  lowering::Builder b;
-  GraphValues values;
+// An error inside a graph, pinned to the recorded op it came from.
+struct OpFailure : std::runtime_error {
+  OpFailure(size_t op, const std::string& what) : std::runtime_error(what), op(op) {}
+  size_t op;
+};
+
+// Lowers the first `count` ops into `b`. Returns every op's results, in order.
+std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& values, size_t count) {
   values.inputs = g.inputs.inputs;
-  for (RecordedOp& rec : g.ops) {
+  std::vector<Value> produced;
+  for (size_t k = 0; k < count; ++k) {
+    RecordedOp& rec = g.ops[k];
     Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
-    std::vector<Value> flats = emit_op(b, call, *rec.cached, &values);
+    std::vector<Value> flats;
+    try {
+      flats = emit_op(b, call, *rec.cached, &values);
+    } catch (const std::exception& e) {
+      throw OpFailure(k, e.what());
+    }
     size_t next_flat = 0, next_new = 0;
     for (const OutputPlan& p : rec.cached->outputs) {
       if (p.absent) continue;
       const StorageState* st = p.write ? &storage_state(call.args[p.arg].toTensor().storage()) : rec.new_storages[next_new++];
       values.values.insert_or_assign(st, flats[next_flat++]);
     }
+    produced.insert(produced.end(), flats.begin(), flats.end());
   }
+  return produced;
+}
+
+// After the whole graph failed to compile: the first op whose prefix of the
+// graph fails too (binary search over prefixes that return every value).
+// Error path only: compiles about log2(ops) programs, none of them cached.
+std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
+  size_t good = 0, bad = g.ops.size();  // prefix of `good` ops compiles, of `bad` ops fails
+  while (bad - good > 1) {
+    size_t mid = good + (bad - good) / 2;
+    lowering::Builder b;
+    GraphValues values;
+    bool compiles = true;
+    try {
+      client().compile(b.finish(emit_ops(g, b, values, mid)), {}, g.device);
+    } catch (const std::exception&) {
+      compiles = false;
+    }
+    (compiles ? good : bad) = mid;
+  }
+  if (bad == 0) return std::nullopt;
+  return bad - 1;
+}
+
+std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
+                                             const std::map<int, int>& donated) {
+  lowering::Builder b;
+  GraphValues values;
+  emit_ops(g, b, values, g.ops.size());
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
-  compiled->exe = compile_cache().get_or_compile(b.finish(outputs, donated), g.device);
+  try {
+    compiled->exe = compile_cache().get_or_compile(b.finish(outputs, donated), g.device);
+  } catch (const std::exception& e) {
+    if (auto op = first_op_failing_to_compile(g)) throw OpFailure(*op, e.what());
+    throw;
+  }
   return compiled;
 }
 
@@ -303,9 +357,17 @@ void run_graph(PendingGraph& g) {
     ++metrics().graphs;
     clear_graph(g);
     track(std::move(result.done));
-  } catch (const std::exception& e) {
+  } catch (const OpFailure& e) {
+    std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     clear_graph(g);
-    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed: ", e.what());
+    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ", where,
+                ": ", e.what());
+  } catch (const std::exception& e) {
+    std::string first = graph::describe_source_location(g.ops.front().location);
+    std::string last = graph::describe_source_location(g.ops.back().location);
+    clear_graph(g);
+    TORCH_CHECK(false, "a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
+                e.what());
   }
 }
 

@@ -8,6 +8,7 @@
 #include "aten/device.h"
 #include "aten/executor.h"
 #include "aten/lowering.h"
+#include "bindings/python_location.h"
 #include "graph/metrics.h"
 #include "pjrt/error.h"
 
@@ -106,6 +107,8 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("_reset_metrics", &graph::reset_metrics);
+  m.def("_install_location_hook", &install_python_location_hook);
+  m.def("_inject_compile_fault", &inject_compile_fault);
   m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
     flush_pending();
     return storage_buffer_address(storage_data_ptr);

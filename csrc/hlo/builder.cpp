@@ -212,6 +212,10 @@ Value Builder::broadcast_in_dim(Value x, const Dims& dims, const Dims& broadcast
               TensorType{x.element(), dims});
 }
 
+Value Builder::custom_call(const std::string& target, const std::vector<Value>& operands, TensorType result) {
+  return emit("custom_call", operands, "{call_target_name = \"" + target + "\"}", std::move(result));
+}
+
 Value Builder::reshape(Value x, const Dims& dims) {
   if (x.dims() == dims) return x;
   return emit("reshape", {x}, "", TensorType{x.element(), dims});

@@ -102,6 +102,9 @@ class Builder {
   // Random bits: returns {new_state, bits}. State is ui64[2] (Threefry key/counter).
   std::vector<Value> rng_bit_generator(Value state, TensorType bits_type);
 
+  // A call to a function the plugin registered under `target` (custom kernels).
+  Value custom_call(const std::string& target, const std::vector<Value>& operands, TensorType result);
+
   // Closes @main returning `results`; returns the module text.
   // `aliases` maps a parameter index to the result that may reuse its buffer
   // (a donated input: an in-place update that does not double memory).

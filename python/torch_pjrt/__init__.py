@@ -31,6 +31,10 @@ def _register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _C._register_lowered_kernels()
     _decompositions.register()
+    # Errors from fused graphs name the user's line: frames in these are skipped.
+    import sysconfig
+    library_dirs = [os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]]
+    _C._install_location_hook([os.path.join(d, "") for d in library_dirs])
 
 
 _register()

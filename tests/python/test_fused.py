@@ -185,3 +185,30 @@ def test_strict_mode_gives_in_place_results_new_buffers():
         keep = torch.ones(1000).to("tpu")  # keeps the old address from being recycled at once
         p.add_(keep)
         assert buffer_address(p) != before
+
+
+@pytest.mark.parametrize("mode", ["fused", "lazy"])
+def test_graph_error_names_the_line_that_recorded_the_failing_op(mode):
+    import inspect
+    import re
+
+    cpu = torch.randn(10)
+    torch_pjrt._C._inject_compile_fault("aten::tanh")
+    try:
+        with torch_pjrt.mode(mode):
+            x = cpu.to("tpu")
+            y = x * 2 + 1
+            z = torch.tanh(y); tanh_line = inspect.currentframe().f_lineno  # noqa: E702
+            total = z.sum()
+            with pytest.raises(RuntimeError) as info:
+                total.item()
+    finally:
+        torch_pjrt._C._inject_compile_fault("")
+    message = str(info.value)
+    assert f"{__file__}:{tanh_line} in test_graph_error_names" in message
+    assert re.search(r"failed at op \d+, aten::tanh\(Float\[10\]\)", message)
+    assert "torch_pjrt_injected_fault" in message  # the plugin's own error is kept
+    # The failed graph left nothing behind: the same code now runs and is right.
+    with torch_pjrt.mode(mode):
+        z = torch.tanh(cpu.to("tpu") * 2 + 1)
+        torch.testing.assert_close(z.cpu(), torch.tanh(cpu * 2 + 1))

@@ -1,0 +1,113 @@
+// The source-location hook for Python callers: the innermost frame outside
+// torch and torch_pjrt, as an id. Ids are interned per (code object, line) and
+// the code objects are kept alive, so an id stays valid for the process.
+#include "bindings/python_location.h"
+
+#include <Python.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "graph/source_location.h"
+
+namespace torch_pjrt {
+namespace {
+
+struct LocationTable {
+  std::mutex mutex;
+  std::vector<std::string> library_dirs;               // frames under these are not the user's
+  std::unordered_map<PyCodeObject*, bool> is_library;  // owns a reference to each code object
+  std::map<std::pair<PyCodeObject*, int>, graph::SourceLocation> ids;
+  std::vector<std::string> texts;  // id - 1 -> "file:line in function", made once per id
+};
+
+LocationTable& table() {
+  static auto* t = new LocationTable();  // never destroyed: ids outlive interpreter shutdown order
+  return *t;
+}
+
+bool library_code(LocationTable& t, PyCodeObject* code) {
+  auto it = t.is_library.find(code);
+  if (it != t.is_library.end()) return it->second;
+  const char* file = PyUnicode_AsUTF8(code->co_filename);
+  bool library = false;
+  if (!file) {
+    PyErr_Clear();
+  } else {
+    std::string path(file);
+    for (const std::string& dir : t.library_dirs)
+      if (path.compare(0, dir.size(), dir) == 0) library = true;
+    if (path.rfind("<frozen", 0) == 0) library = true;
+  }
+  Py_INCREF(code);
+  t.is_library.emplace(code, library);
+  return library;
+}
+
+std::string text_of(PyCodeObject* code, int line) {
+  const char* file = PyUnicode_AsUTF8(code->co_filename);
+  if (!file) PyErr_Clear();
+  const char* name = PyUnicode_AsUTF8(code->co_name);
+  if (!name) PyErr_Clear();
+  return std::string(file ? file : "?") + ":" + std::to_string(line) + " in " + (name ? name : "?");
+}
+
+graph::SourceLocation capture_with_gil() {
+  LocationTable& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  if (!frame) return 0;
+  Py_INCREF(frame);
+  graph::SourceLocation id = 0;
+  while (frame) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    bool library = library_code(t, code);
+    if (!library) {
+      auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
+      auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
+      if (fresh) t.texts.push_back(text_of(code, key.second));
+      id = it->second;
+    }
+    Py_DECREF(code);
+    if (!library) break;
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return id;
+}
+
+// Op dispatch runs with the GIL released; a thread that never ran Python
+// (autograd's device threads) has no user frame to find.
+graph::SourceLocation capture() {
+  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return 0;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  graph::SourceLocation id = capture_with_gil();
+  PyGILState_Release(gil);
+  return id;
+}
+
+// Needs no Python: errors may be described on threads without the GIL.
+std::string describe(graph::SourceLocation id) {
+  LocationTable& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  if (id == 0 || id > t.texts.size()) return "an unknown line";
+  return t.texts[id - 1];
+}
+
+}  // namespace
+
+void install_python_location_hook(std::vector<std::string> library_dirs) {
+  {
+    std::lock_guard<std::mutex> lock(table().mutex);
+    table().library_dirs = std::move(library_dirs);
+  }
+  graph::set_source_location_hooks({&capture, &describe});
+}
+
+}  // namespace torch_pjrt

@@ -1,0 +1,12 @@
+// Installs the graph layer's source-location hook for Python callers.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace torch_pjrt {
+
+// Frames whose file lies under one of `library_dirs` (torch, torch_pjrt) are
+// skipped: the location is the user's own line that led to the op.
+void install_python_location_hook(std::vector<std::string> library_dirs);
+
+}  // namespace torch_pjrt
