@@ -261,6 +261,11 @@ StorageState& storage_state(const c10::Storage& storage) {
   return *static_cast<StorageState*>(ctx);
 }
 
+void check_has_value(const StorageState& st) {
+  TORCH_CHECK(!st.lost, "this tpu tensor has no value: ", *st.lost,
+              ". Assign it again (for example with copy_) to use it.");
+}
+
 uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
   const StorageState* state = reinterpret_cast<const StorageState*>(storage_data_ptr);
   {

@@ -4,6 +4,7 @@
 #include <ATen/core/Generator.h>
 #include <c10/core/Storage.h>
 
+#include <memory>
 #include <string>
 
 #include "graph/compile_cache.h"
@@ -23,7 +24,13 @@ struct StorageState {
   bool pending = false;
   ElementType pending_element = ElementType::F32;
   int64_t pending_count = 0;
+  // Set when the fused graph that was to compute this value failed: reading
+  // the storage raises this message instead of returning a stale value.
+  std::shared_ptr<const std::string> lost;
 };
+
+// Raises when `st` lost its value to a failed graph.
+void check_has_value(const StorageState& st);
 
 StorageState& storage_state(const c10::Storage& storage);
 

@@ -201,6 +201,7 @@ struct KeyBuilder {
       for (int64_t s : t.strides()) num(s);
       num(t.storage_offset());
       const StorageState& st = storage_state(t.storage());
+      check_has_value(st);
       num(static_cast<int64_t>(st.nbytes));
       if (auto type = storage_type(st)) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
@@ -750,8 +751,12 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   ++metrics().lowered_ops[op_name(call.schema)];
   std::vector<at::Tensor> outs = output_tensors(call, cached);
   size_t produced = 0;
-  for (const at::Tensor& t : outs)
-    if (t.defined()) storage_state(t.storage()).buffer = result.outputs[produced++];
+  for (const at::Tensor& t : outs) {
+    if (!t.defined()) continue;
+    StorageState& st = storage_state(t.storage());
+    st.buffer = result.outputs[produced++];
+    st.lost.reset();
+  }
   track(std::move(result.done));
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
@@ -902,6 +907,7 @@ at::Tensor to_host(const at::Tensor& t) {
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
   const StorageState& st = storage_state(t.storage());
+  check_has_value(st);
   if (!st.buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && st.buffer->element_type() == e &&
@@ -937,6 +943,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
     // graph that writes this storage runs first, so its result cannot land later.
     if (st.pending) flush_pending();
     st.buffer = upload(source.to(dst.scalar_type()), dst.device().index(), /*as_storage=*/true);
+    st.lost.reset();
     return;
   }
   torch::jit::Stack stack{dst, source, false};

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -98,6 +99,7 @@ void mark_written(PendingGraph& g, const at::Tensor& t) {
   g.written[id] = g.has_value[id] = 1;
   StorageState& st = storage_state(t.storage());
   st.pending = true;
+  st.lost.reset();
   st.pending_element = element_or_throw(t.scalar_type());
   st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
 }
@@ -212,14 +214,18 @@ std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
 
 std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
                                              const std::map<int, int>& donated) {
+  auto start = std::chrono::steady_clock::now();
   lowering::Builder b;
   GraphValues values;
   emit_ops(g, b, values, g.ops.size());
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
+  std::string program = b.finish(outputs, donated);
+  std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  metrics().graph_lowering_seconds += took.count();
   auto compiled = std::make_shared<CompiledGraph>();
   try {
-    compiled->exe = compile_cache().get_or_compile(b.finish(outputs, donated), g.device);
+    compiled->exe = compile_cache().get_or_compile(program, g.device);
   } catch (const std::exception& e) {
     if (auto op = first_op_failing_to_compile(g)) throw OpFailure(*op, e.what());
     throw;
@@ -315,6 +321,16 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   return donated;
 }
 
+// Every storage the failed graph was to write keeps the error instead of a
+// stale or zero value; then the error is raised at the line that flushed.
+[[noreturn]] void fail_graph(PendingGraph& g, const std::string& message) {
+  auto lost = std::make_shared<const std::string>(message);
+  for (size_t id = 0; id < g.storages.size(); ++id)
+    if (g.written[id]) storage_state(g.storages[id]).lost = lost;
+  clear_graph(g);
+  TORCH_CHECK(false, message);
+}
+
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   // Outputs: written storages that something besides this graph still holds.
@@ -359,15 +375,13 @@ void run_graph(PendingGraph& g) {
     track(std::move(result.done));
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
-    clear_graph(g);
-    TORCH_CHECK(false, "a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ", where,
-                ": ", e.what());
+    fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
+                           where, ": ", e.what()));
   } catch (const std::exception& e) {
     std::string first = graph::describe_source_location(g.ops.front().location);
     std::string last = graph::describe_source_location(g.ops.back().location);
-    clear_graph(g);
-    TORCH_CHECK(false, "a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
-                e.what());
+    fail_graph(g, c10::str("a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
+                           e.what()));
   }
 }
 

@@ -91,6 +91,8 @@ PYBIND11_MODULE(_C, m) {
     d["disk_cache_writes"] = s.disk_cache_writes;
     d["disk_cache_corrupt"] = s.disk_cache_corrupt;
     d["disk_cache_evictions"] = s.disk_cache_evictions;
+    d["disk_cache_load_seconds"] = s.disk_cache_load_seconds;
+    d["graph_lowering_seconds"] = s.graph_lowering_seconds;
     d["op_cache_hits"] = s.op_cache_hits;
     d["op_cache_misses"] = s.op_cache_misses;
     d["executions"] = s.executions;

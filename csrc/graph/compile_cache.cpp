@@ -27,6 +27,7 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
   }
   pjrt::ExecutablePtr exe;
   if (disk_) {
+    auto start = std::chrono::steady_clock::now();
     if (auto bytes = disk_->load(key)) {
       try {
         exe = client_->deserialize(*bytes, device_index);
@@ -34,6 +35,8 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
         ++metrics().disk_cache_corrupt;  // verified bytes the plugin still rejects: rebuild
       }
     }
+    std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    metrics().disk_cache_load_seconds += took.count();
   }
   if (!exe) {
     auto start = std::chrono::steady_clock::now();

@@ -18,6 +18,8 @@ struct Metrics {
   int64_t disk_cache_writes = 0;
   int64_t disk_cache_corrupt = 0;  // entries that failed to verify (rebuilt)
   int64_t disk_cache_evictions = 0;
+  double disk_cache_load_seconds = 0;  // reading and deserializing executables
+  double graph_lowering_seconds = 0;   // fused graphs lowered to StableHLO (cache misses by structure)
   int64_t op_cache_hits = 0;       // op signature seen before: no lowering at all
   int64_t op_cache_misses = 0;
   int64_t executions = 0;

@@ -208,6 +208,15 @@ def test_graph_error_names_the_line_that_recorded_the_failing_op(mode):
     assert f"{__file__}:{tanh_line} in test_graph_error_names" in message
     assert re.search(r"failed at op \d+, aten::tanh\(Float\[10\]\)", message)
     assert "torch_pjrt_injected_fault" in message  # the plugin's own error is kept
+    # What the failed graph was to compute raises instead of reading as zeros;
+    # its inputs keep their values.
+    with pytest.raises(RuntimeError, match="this tpu tensor has no value: a fused graph"):
+        z.cpu()
+    with pytest.raises(RuntimeError, match="has no value"):
+        (y + 1).cpu()
+    torch.testing.assert_close(x.cpu(), cpu)
+    y.copy_(cpu)  # assigning a value makes the tensor usable again
+    torch.testing.assert_close((y + 1).cpu(), cpu + 1)
     # The failed graph left nothing behind: the same code now runs and is right.
     with torch_pjrt.mode(mode):
         z = torch.tanh(cpu.to("tpu") * 2 + 1)
