@@ -23,78 +23,12 @@ namespace torch_pjrt {
 
 using graph::metrics;
 
-// ---- dtype mapping --------------------------------------------------------
-
-std::optional<ElementType> element_of(at::ScalarType t) {
-  switch (t) {
-    case at::kBool: return ElementType::Pred;
-    case at::kChar: return ElementType::S8;
-    case at::kShort: return ElementType::S16;
-    case at::kInt: return ElementType::S32;
-    case at::kLong: return ElementType::S64;
-    case at::kByte: return ElementType::U8;
-    case at::kUInt16: return ElementType::U16;
-    case at::kUInt32: return ElementType::U32;
-    case at::kUInt64: return ElementType::U64;
-    case at::kHalf: return ElementType::F16;
-    case at::kBFloat16: return ElementType::BF16;
-    case at::kFloat: return ElementType::F32;
-    case at::kDouble: return ElementType::F64;
-    default: return std::nullopt;
-  }
-}
-
-at::ScalarType scalar_type_of(ElementType e) {
-  switch (e) {
-    case ElementType::Pred: return at::kBool;
-    case ElementType::S8: return at::kChar;
-    case ElementType::S16: return at::kShort;
-    case ElementType::S32: return at::kInt;
-    case ElementType::S64: return at::kLong;
-    case ElementType::U8: return at::kByte;
-    case ElementType::U16: return at::kUInt16;
-    case ElementType::U32: return at::kUInt32;
-    case ElementType::U64: return at::kUInt64;
-    case ElementType::F16: return at::kHalf;
-    case ElementType::BF16: return at::kBFloat16;
-    case ElementType::F32: return at::kFloat;
-    case ElementType::F64: return at::kDouble;
-  }
-  return at::kFloat;
-}
-
-ElementType element_or_throw(at::ScalarType t) {
-  auto e = element_of(t);
-  TORCH_CHECK(e, "tpu tensors do not support dtype ", t);
-  return *e;
-}
-
 namespace {
 
 // ---- pending work ---------------------------------------------------------
 
 std::mutex g_pending_mutex;
 std::deque<std::unique_ptr<pjrt::Event>> g_pending;
-
-}  // namespace
-
-void track(std::unique_ptr<pjrt::Event> done) {
-  if (!done) return;
-  if (mode() == Mode::Debug) {
-    done->wait();
-    return;
-  }
-  std::lock_guard<std::mutex> lock(g_pending_mutex);
-  while (!g_pending.empty() && g_pending.front()->is_ready()) {
-    auto ready = std::move(g_pending.front());
-    g_pending.pop_front();
-    ready->wait();  // surfaces a failure of an earlier async program
-  }
-  g_pending.push_back(std::move(done));
-}
-
-namespace {
-
 // Host values of Scalar operands are few and repeat (alpha=1, lr): keep their
 // device buffers instead of uploading one per op.
 pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
@@ -137,19 +71,6 @@ pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = fals
   metrics().host_to_device_bytes += static_cast<int64_t>(dense.nbytes());
   return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
 }
-
-}  // namespace
-
-// What a storage holds for a program: its buffer's type, the type a recorded
-// graph will give it (pending), or nothing (never written: zeros).
-std::optional<lowering::TensorType> storage_type(const StorageState& st) {
-  if (st.pending) return lowering::TensorType{st.pending_element, {st.pending_count}};
-  if (st.buffer) return lowering::TensorType{st.buffer->element_type(), st.buffer->dims()};
-  return std::nullopt;
-}
-
-namespace {
-
 // ---- signatures -----------------------------------------------------------
 
 bool is_scalar_arg(const c10::Argument& a) {
@@ -157,18 +78,6 @@ bool is_scalar_arg(const c10::Argument& a) {
   if (kind == c10::TypeKind::OptionalType) kind = a.type()->castRaw<c10::OptionalType>()->getElementType()->kind();
   return kind == c10::TypeKind::NumberType;
 }
-
-}  // namespace
-
-at::Tensor item_tensor(const c10::IValue& v, int item) {
-  if (item < 0) return v.toTensor();
-  if (v.isTensorList()) return v.toTensorList().get(item);
-  auto opt = v.toList().get(item);
-  return opt.isNone() ? at::Tensor() : opt.toTensor();
-}
-
-namespace {
-
 struct KeyBuilder {
   std::string key;
   bool supported = true;
@@ -517,24 +426,6 @@ class CallContext final : public lowering::Context {
 };
 
 // ---- building and running ---------------------------------------------------
-
-}  // namespace
-
-std::string op_name(const c10::FunctionSchema& s) {
-  std::string name = s.name();
-  if (!s.overload_name().empty()) name += "." + s.overload_name();
-  return name;
-}
-
-std::string base_name(const c10::FunctionSchema& s) {
-  std::string name = s.name();
-  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
-  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
-  return name;
-}
-
-namespace {
-
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   for (const auto& p : plans) {
     if (!p.write) continue;
@@ -601,25 +492,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   }
   return flats;
 }
-
-}  // namespace
-
-namespace {
 std::string g_compile_fault_op;
-}  // namespace
-
-void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
-
-std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph) {
-  CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
-  std::vector<Value> flats = emit(b, call, cached, ctx);
-  if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
-    flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
-  return flats;
-}
-
-namespace {
-
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached) {
   lowering::Builder b;
@@ -672,55 +545,6 @@ void debug_checks(const Call& call) {
     check_index_range(arg("indices").toTensor(), arg("num_weights").toInt(), false, call.schema.name());
   }
 }
-
-}  // namespace
-
-// A buffer for an operand that is not a storage: a CPU tensor, a Scalar, or
-// a fresh RNG state (drawn now, so every mode sees the same stream).
-pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
-  switch (ref.kind) {
-    case OperandRef::Host:
-      return upload(item_tensor(call.args[ref.arg], ref.item), call.device);
-    case OperandRef::Scalar:
-      return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
-    case OperandRef::Rng: {
-      std::optional<at::Generator> gen;
-      if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
-      RngDraw draw = next_rng_draw(gen, call.device, ref.count);
-      uint64_t state[2] = {draw.seed, draw.offset};
-      return client().buffer_from_host(state, ElementType::U64, {2}, call.device);
-    }
-    case OperandRef::Storage:
-      break;
-  }
-  return storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
-}
-
-// The op's outputs: written arguments, or new tensors on the call's device.
-std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
-  std::vector<at::Tensor> outs;
-  for (const OutputPlan& p : cached.outputs) {
-    if (p.absent) outs.emplace_back();
-    else if (p.write) outs.push_back(call.args[p.arg].toTensor());
-    else outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
-  }
-  return outs;
-}
-
-void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs) {
-  torch::jit::drop(*stack, nargs);
-  size_t next = 0;
-  for (int count : cached.return_counts) {
-    if (count == 1 || count == 0) {
-      stack->push_back(outs[next++]);
-    } else {
-      std::vector<at::Tensor> list(outs.begin() + next, outs.begin() + next + (-count - 1));
-      next += list.size();
-      stack->push_back(c10::IValue(list));
-    }
-  }
-}
-
 // Debug mode with TORCH_PJRT_CHECK_NANS=1: a NaN or Inf in a floating-point
 // result raises at the op that made it.
 void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
@@ -735,8 +559,6 @@ void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
                 " produced NaN or Inf (TORCH_PJRT_CHECK_NANS=1 checks every result in debug mode)");
   }
 }
-
-namespace {
 
 // Strict and debug modes: runs the op's own program now (asynchronously).
 void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
@@ -764,26 +586,6 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 
 std::mutex g_cache_mutex;
 std::unordered_map<std::string, std::shared_ptr<CachedOp>> g_op_cache;
-
-}  // namespace
-
-void note_cpu_fallback(const std::string& name, const std::string& why) {
-  static std::mutex mutex;
-  static std::set<std::string> warned;
-  bool first;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    first = warned.insert(name).second;
-    ++metrics().cpu_fallbacks[name];
-  }
-  if (first) {
-    TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
-               "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");
-  }
-}
-
-namespace {
-
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   note_cpu_fallback(op_name(op.schema()), why);
   flush_pending();
@@ -891,6 +693,162 @@ void run_or_throw(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
+// Everything below is declared in a header: op_call.h (shared with fused
+// graphs), executor.h and device.h.
+
+// ---- dtype mapping --------------------------------------------------------
+
+std::optional<ElementType> element_of(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return ElementType::Pred;
+    case at::kChar: return ElementType::S8;
+    case at::kShort: return ElementType::S16;
+    case at::kInt: return ElementType::S32;
+    case at::kLong: return ElementType::S64;
+    case at::kByte: return ElementType::U8;
+    case at::kUInt16: return ElementType::U16;
+    case at::kUInt32: return ElementType::U32;
+    case at::kUInt64: return ElementType::U64;
+    case at::kHalf: return ElementType::F16;
+    case at::kBFloat16: return ElementType::BF16;
+    case at::kFloat: return ElementType::F32;
+    case at::kDouble: return ElementType::F64;
+    default: return std::nullopt;
+  }
+}
+
+at::ScalarType scalar_type_of(ElementType e) {
+  switch (e) {
+    case ElementType::Pred: return at::kBool;
+    case ElementType::S8: return at::kChar;
+    case ElementType::S16: return at::kShort;
+    case ElementType::S32: return at::kInt;
+    case ElementType::S64: return at::kLong;
+    case ElementType::U8: return at::kByte;
+    case ElementType::U16: return at::kUInt16;
+    case ElementType::U32: return at::kUInt32;
+    case ElementType::U64: return at::kUInt64;
+    case ElementType::F16: return at::kHalf;
+    case ElementType::BF16: return at::kBFloat16;
+    case ElementType::F32: return at::kFloat;
+    case ElementType::F64: return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+ElementType element_or_throw(at::ScalarType t) {
+  auto e = element_of(t);
+  TORCH_CHECK(e, "tpu tensors do not support dtype ", t);
+  return *e;
+}
+void track(std::unique_ptr<pjrt::Event> done) {
+  if (!done) return;
+  if (mode() == Mode::Debug) {
+    done->wait();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  while (!g_pending.empty() && g_pending.front()->is_ready()) {
+    auto ready = std::move(g_pending.front());
+    g_pending.pop_front();
+    ready->wait();  // surfaces a failure of an earlier async program
+  }
+  g_pending.push_back(std::move(done));
+}
+// What a storage holds for a program: its buffer's type, the type a recorded
+// graph will give it (pending), or nothing (never written: zeros).
+std::optional<lowering::TensorType> storage_type(const StorageState& st) {
+  if (st.pending) return lowering::TensorType{st.pending_element, {st.pending_count}};
+  if (st.buffer) return lowering::TensorType{st.buffer->element_type(), st.buffer->dims()};
+  return std::nullopt;
+}
+at::Tensor item_tensor(const c10::IValue& v, int item) {
+  if (item < 0) return v.toTensor();
+  if (v.isTensorList()) return v.toTensorList().get(item);
+  auto opt = v.toList().get(item);
+  return opt.isNone() ? at::Tensor() : opt.toTensor();
+}
+std::string op_name(const c10::FunctionSchema& s) {
+  std::string name = s.name();
+  if (!s.overload_name().empty()) name += "." + s.overload_name();
+  return name;
+}
+
+std::string base_name(const c10::FunctionSchema& s) {
+  std::string name = s.name();
+  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
+  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
+  return name;
+}
+void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
+
+std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph) {
+  CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
+  std::vector<Value> flats = emit(b, call, cached, ctx);
+  if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
+    flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
+  return flats;
+}
+// A buffer for an operand that is not a storage: a CPU tensor, a Scalar, or
+// a fresh RNG state (drawn now, so every mode sees the same stream).
+pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
+  switch (ref.kind) {
+    case OperandRef::Host:
+      return upload(item_tensor(call.args[ref.arg], ref.item), call.device);
+    case OperandRef::Scalar:
+      return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
+    case OperandRef::Rng: {
+      std::optional<at::Generator> gen;
+      if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
+      RngDraw draw = next_rng_draw(gen, call.device, ref.count);
+      uint64_t state[2] = {draw.seed, draw.offset};
+      return client().buffer_from_host(state, ElementType::U64, {2}, call.device);
+    }
+    case OperandRef::Storage:
+      break;
+  }
+  return storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
+}
+
+// The op's outputs: written arguments, or new tensors on the call's device.
+std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
+  std::vector<at::Tensor> outs;
+  for (const OutputPlan& p : cached.outputs) {
+    if (p.absent) outs.emplace_back();
+    else if (p.write) outs.push_back(call.args[p.arg].toTensor());
+    else outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+  }
+  return outs;
+}
+
+void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs) {
+  torch::jit::drop(*stack, nargs);
+  size_t next = 0;
+  for (int count : cached.return_counts) {
+    if (count == 1 || count == 0) {
+      stack->push_back(outs[next++]);
+    } else {
+      std::vector<at::Tensor> list(outs.begin() + next, outs.begin() + next + (-count - 1));
+      next += list.size();
+      stack->push_back(c10::IValue(list));
+    }
+  }
+}
+
+void note_cpu_fallback(const std::string& name, const std::string& why) {
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    first = warned.insert(name).second;
+    ++metrics().cpu_fallbacks[name];
+  }
+  if (first) {
+    TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
+               "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");
+  }
+}
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   std::string why;
   try {
