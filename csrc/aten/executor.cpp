@@ -29,10 +29,28 @@ namespace {
 
 std::mutex g_pending_mutex;
 std::deque<std::unique_ptr<pjrt::Event>> g_pending;
-// Host values of Scalar operands are few and repeat (alpha=1, lr): keep their
-// device buffers instead of uploading one per op.
-pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
+// Host values of Scalar operands are few and repeat (alpha=1, lr, the 0-d
+// CPU tensor PyTorch makes of `x + 1.0`): keep their device buffers instead of
+// uploading one per op. `bytes` holds one element of type `e`.
+pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false);
+
+pjrt::BufferPtr cached_scalar_buffer(const unsigned char (&bytes)[8], ElementType e, int device) {
+  static std::mutex mutex;
   static std::unordered_map<std::string, pjrt::BufferPtr> cache;
+  std::string key(reinterpret_cast<const char*>(bytes), 8);
+  key += static_cast<char>(e);
+  key += std::to_string(device);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto buf = client().buffer_from_host(bytes, e, {}, device);
+  metrics().host_to_device_bytes += static_cast<int64_t>(byte_size(e));
+  if (cache.size() > 4096) cache.clear();
+  cache.emplace(std::move(key), buf);
+  return buf;
+}
+
+pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
   unsigned char bytes[8] = {0};
   switch (e) {
     case ElementType::Pred: bytes[0] = s.toBool(); break;
@@ -49,21 +67,21 @@ pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
     case ElementType::F32: { float v = s.toFloat(); std::memcpy(bytes, &v, 4); break; }
     case ElementType::F64: { double v = s.toDouble(); std::memcpy(bytes, &v, 8); break; }
   }
-  std::string key(reinterpret_cast<char*>(bytes), 8);
-  key += static_cast<char>(e);
-  key += std::to_string(device);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto buf = client().buffer_from_host(bytes, e, {}, device);
-  metrics().host_to_device_bytes += static_cast<int64_t>(byte_size(e));
-  if (cache.size() > 4096) cache.clear();
-  cache.emplace(std::move(key), buf);
-  return buf;
+  return cached_scalar_buffer(bytes, e, device);
+}
+
+// A CPU tensor operand; 0-d ones go through the scalar cache.
+pjrt::BufferPtr host_operand(const at::Tensor& t, int device) {
+  if (t.dim() != 0) return upload(t, device);
+  ElementType e = element_or_throw(t.scalar_type());
+  unsigned char bytes[8] = {0};
+  std::memcpy(bytes, t.const_data_ptr(), byte_size(e));
+  return cached_scalar_buffer(bytes, e, device);
 }
 
 // `as_storage`: a storage's whole buffer, kept 1-D like every storage buffer
 // (a program's storage parameter type then follows from the op signature).
-pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false) {
+pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage) {
   at::Tensor dense = cpu.contiguous();
   ElementType e = element_or_throw(dense.scalar_type());
   std::vector<int64_t> dims(dense.sizes().begin(), dense.sizes().end());
@@ -794,7 +812,7 @@ std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cac
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
   switch (ref.kind) {
     case OperandRef::Host:
-      return upload(item_tensor(call.args[ref.arg], ref.item), call.device);
+      return host_operand(item_tensor(call.args[ref.arg], ref.item), call.device);
     case OperandRef::Scalar:
       return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
     case OperandRef::Rng: {
