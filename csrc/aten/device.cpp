@@ -61,7 +61,7 @@ Runtime& runtime() {
   return rt;
 }
 
-Mode g_mode = Mode::Strict;
+Mode g_mode = Mode::Fused;  // the fast default; TORCH_PJRT_MODE picks another
 thread_local int g_current_device = 0;
 
 // ---- Allocator: a storage is a StorageState; nothing is allocated on the

@@ -1,6 +1,9 @@
 #include "graph/compile_cache.h"
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 
 #include "pjrt/error.h"
 
@@ -14,6 +17,20 @@ Metrics& metrics() {
 }
 
 void reset_metrics() { metrics() = Metrics{}; }
+
+namespace {
+
+// TORCH_PJRT_DUMP_DIR: every program compiled is also written there as
+// <hash>.mlir, to read what XLA was given. Best effort: errors are ignored.
+void dump_program(const std::string& program) {
+  static const char* dir = std::getenv("TORCH_PJRT_DUMP_DIR");
+  if (!dir || !*dir) return;
+  char name[32];
+  std::snprintf(name, sizeof(name), "%016llx.mlir", static_cast<unsigned long long>(fnv1a(program)));
+  std::ofstream(std::string(dir) + "/" + name) << program;
+}
+
+}  // namespace
 
 pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, size_t device_index) {
   // The serialized compile options are part of the key: the same program
@@ -39,6 +56,7 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
     metrics().disk_cache_load_seconds += took.count();
   }
   if (!exe) {
+    dump_program(program);
     auto start = std::chrono::steady_clock::now();
     exe = client_->compile(program, {}, device_index);
     std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;

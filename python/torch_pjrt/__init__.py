@@ -12,6 +12,7 @@ import contextlib
 import os
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
 from ._plugins import find_plugin
@@ -60,6 +61,7 @@ _print_from_host()
 def set_mode(name: str) -> None:
     """Execution mode.
 
+    'fused' is the default.
     'debug': one op at a time, waits for each and checks it.
     'strict': one op at a time, asynchronous.
     'fused': ops are recorded and run as larger XLA graphs when data is needed,
@@ -92,6 +94,16 @@ if "TORCH_PJRT_MODE" in os.environ:
 def sync() -> None:
     """Runs the ops recorded so far (fused and lazy modes) without waiting for them."""
     _C._sync()
+
+
+def _end_of_step(optimizer, args, kwargs) -> None:
+    # Fused mode cuts graphs at optimizer steps: every training step is then
+    # the same graph, compiled once, whatever the loop reads in between.
+    if _C._get_mode() == "fused":
+        _C._sync()
+
+
+register_optimizer_step_post_hook(_end_of_step)
 
 
 def optimizer_step(optimizer, **kwargs):

@@ -221,3 +221,35 @@ def test_graph_error_names_the_line_that_recorded_the_failing_op(mode):
     with torch_pjrt.mode(mode):
         z = torch.tanh(cpu.to("tpu") * 2 + 1)
         torch.testing.assert_close(z.cpu(), torch.tanh(cpu * 2 + 1))
+
+
+@pytest.mark.parametrize("mode", ["fused", "lazy"])
+def test_fused_mode_cuts_graphs_at_optimizer_steps(mode):
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    with torch_pjrt.mode(mode):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to("tpu")
+        model.load_state_dict(cpu_model.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        xt = x.to("tpu")
+        torch_pjrt.sync()
+        torch_pjrt.reset_metrics()
+        for _ in range(6):  # nothing is read inside the loop
+            opt.zero_grad()
+            model(xt).square().mean().backward()
+            opt.step()
+        weights = [p.cpu() for p in model.parameters()]
+        m = torch_pjrt.metrics()
+    # fused: one graph per step, and steps after the first share one program;
+    # lazy: torch_xla style, everything runs at the read.
+    assert m["graphs"] == (6 if mode == "fused" else 1)
+    if mode == "fused":
+        assert m["graph_cache_hits"] >= 4
+    cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(6):
+        cpu_opt.zero_grad()
+        cpu_model(x).square().mean().backward()
+        cpu_opt.step()
+    for got, want in zip(weights, cpu_model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -40,6 +40,14 @@ def test_mode_from_environment():
     assert out.strip() == "debug"
 
 
+def test_default_mode_is_fused():
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_PJRT_MODE"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    code = "import torch_pjrt; print(torch_pjrt.get_mode())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "fused"
+
+
 def test_debug_mode_raises_at_the_failing_line():
     # Out-of-range indices are clamped by XLA; debug mode checks them and raises
     # at the user's line instead.
