@@ -3,6 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torch_pjrt
+
 from conftest import assert_matches_cpu
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -210,7 +212,6 @@ def test_index_put():
 
 
 def test_factories():
-    import torch_pjrt
     torch_pjrt.reset_metrics()
     dev = "tpu"
     torch.testing.assert_close(torch.zeros(2, 3, device=dev).cpu(), torch.zeros(2, 3))
@@ -264,3 +265,19 @@ def test_losses():
     assert_matches_cpu(F.smooth_l1_loss, x, y)
     assert_matches_cpu(F.binary_cross_entropy_with_logits, x, torch.rand(6, 5))
     assert_matches_cpu(F.binary_cross_entropy, torch.rand(6, 5) * 0.9 + 0.05, torch.rand(6, 5))
+
+
+@pytest.mark.parametrize("in_size,out_size", [((7, 9), (3, 4)), ((10, 10), (3, 3)), ((5, 6), (5, 6)), ((4, 5, 7), (2, 3, 3))])
+def test_adaptive_avg_pool_uneven_windows_with_gradient(in_size, out_size):
+    # Windows overlap or differ in size when the output does not divide the input.
+    pool = F.adaptive_avg_pool3d if len(out_size) == 3 else F.adaptive_avg_pool2d
+    x = torch.randn(2, 3, *in_size, requires_grad=True)
+    xt = x.detach().to("tpu").requires_grad_()
+    torch_pjrt.reset_metrics()
+    y, yt = pool(x, out_size), pool(xt, out_size)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yt.backward(g.to("tpu"))
+    torch.testing.assert_close(yt.cpu(), y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xt.grad.cpu(), x.grad, rtol=1e-5, atol=1e-6)
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]

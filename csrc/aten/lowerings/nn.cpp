@@ -3,6 +3,7 @@
 // inputs and is rounded once by the executor, as PyTorch's CPU kernels do.
 #include <algorithm>
 #include <functional>
+#include <optional>
 
 #include "aten/lowerings/common.h"
 
@@ -363,21 +364,23 @@ std::vector<Value> avg_pool_backward(Context& c, size_t n) {
 std::vector<Value> lower_avg_pool2d_backward(Context& c) { return avg_pool_backward(c, 2); }
 std::vector<Value> lower_avg_pool3d_backward(Context& c) { return avg_pool_backward(c, 3); }
 
-// Adaptive average pooling where each output cell covers an equal block
-// (input divisible by output); other sizes run on the CPU.
+// Adaptive average pooling. Output cell r along a dim of size n -> o covers
+// inputs [floor(r*n/o), ceil((r+1)*n/o)). Equal blocks (o divides n) are a
+// reshape and a sum; other sizes contract each spatial dim with an [o, n]
+// averaging matrix, built from iotas.
 struct Blocks {
   Dims split;  // [lead..., o0, k0, o1, k1, ...]
   Dims block_dims, out;
   double cells = 1;
 };
-Blocks blocks_of(const Dims& in, const Dims& out_spatial) {
+std::optional<Blocks> blocks_of(const Dims& in, const Dims& out_spatial) {
   Blocks bl;
   size_t lead = in.size() - out_spatial.size();
   bl.split.assign(in.begin(), in.begin() + lead);
   bl.out = bl.split;
   for (size_t i = 0; i < out_spatial.size(); ++i) {
     int64_t o = out_spatial[i], n = in[lead + i];
-    if (o == 0 || n % o != 0) throw Unsupported("adaptive pooling with uneven windows");
+    if (o == 0 || n % o != 0) return std::nullopt;
     bl.split.push_back(o);
     bl.split.push_back(n / o);
     bl.block_dims.push_back(static_cast<int64_t>(lead + 2 * i + 1));
@@ -386,22 +389,56 @@ Blocks blocks_of(const Dims& in, const Dims& out_spatial) {
   }
   return bl;
 }
+// W[r, j] = 1 / |cell r| where input j is in output cell r, else 0.
+Value averaging_matrix(Builder& b, int64_t n, int64_t o, ElementType e) {
+  const ElementType i64 = ElementType::S64;
+  Value rows = b.iota({i64, {o, n}}, 0), cols = b.iota({i64, {o, n}}, 1);
+  auto k = [&](int64_t v) { return b.constant_int(v, i64, {o, n}); };
+  Value start = b.binary("divide", b.binary("multiply", rows, k(n)), k(o));
+  Value end = b.binary("divide", b.binary("add", b.binary("multiply", b.binary("add", rows, k(1)), k(n)), k(o - 1)), k(o));
+  Value inside = b.select(b.compare(cols, start, Compare::GE), b.compare(cols, end, Compare::LT),
+                          b.constant_bool(false, {o, n}));
+  Value weight = div(b, b.constant(1, e, {o, n}), b.convert(b.binary("subtract", end, start), e));
+  return b.select(inside, weight, b.constant(0, e, {o, n}));
+}
+// Contracts the first spatial dim (at `lead`) with `matrix_dim` of each matrix
+// in turn; the new dim lands last, so the spatial order is kept.
+Value contract_spatial(Builder& b, Value x, size_t lead, const std::vector<Value>& matrices, int64_t matrix_dim) {
+  for (const Value& m : matrices)
+    x = b.dot_general(x, m, {}, {}, {static_cast<int64_t>(lead)}, {matrix_dim}, x.element());
+  return x;
+}
+std::vector<Value> averaging_matrices(Builder& b, const Dims& in, const Dims& out_spatial, ElementType e) {
+  size_t lead = in.size() - out_spatial.size();
+  std::vector<Value> matrices;
+  for (size_t i = 0; i < out_spatial.size(); ++i) {
+    if (out_spatial[i] == 0) throw Unsupported("adaptive pooling to an empty output");
+    matrices.push_back(averaging_matrix(b, in[lead + i], out_spatial[i], e));
+  }
+  return matrices;
+}
 std::vector<Value> lower_adaptive_avg_pool(Context& c) {
   const OutputMeta& o = c.output(0);
   Value x = input(c, "self", widen(o.element));
   Dims out_spatial = c.int_list("output_size");
-  Blocks bl = blocks_of(x.dims(), out_spatial);
-  Value s = sum(c.b, c.b.reshape(x, bl.split), bl.block_dims);
-  return {div(c.b, s, full(c.b, bl.cells, s))};
+  if (auto bl = blocks_of(x.dims(), out_spatial)) {
+    Value s = sum(c.b, c.b.reshape(x, bl->split), bl->block_dims);
+    return {div(c.b, s, full(c.b, bl->cells, s))};
+  }
+  size_t lead = x.dims().size() - out_spatial.size();
+  return {contract_spatial(c.b, x, lead, averaging_matrices(c.b, x.dims(), out_spatial, x.element()), 1)};
 }
 std::vector<Value> adaptive_avg_pool_backward(Context& c, size_t n) {
   ElementType e = widen(c.output(0).element);
   Value g = input(c, "grad_output", e);
   Dims x_dims = c.tensor_dims("self");
-  Blocks bl = blocks_of(x_dims, Dims(g.dims().end() - static_cast<int64_t>(n), g.dims().end()));
-  Dims kept = kept_dims(static_cast<int64_t>(bl.split.size()), bl.block_dims);
-  Value spread = c.b.broadcast_in_dim(div(c.b, g, full(c.b, bl.cells, g)), bl.split, kept);
-  return {c.b.reshape(spread, x_dims)};
+  Dims out_spatial(g.dims().end() - static_cast<int64_t>(n), g.dims().end());
+  if (auto bl = blocks_of(x_dims, out_spatial)) {
+    Dims kept = kept_dims(static_cast<int64_t>(bl->split.size()), bl->block_dims);
+    Value spread = c.b.broadcast_in_dim(div(c.b, g, full(c.b, bl->cells, g)), bl->split, kept);
+    return {c.b.reshape(spread, x_dims)};
+  }
+  return {contract_spatial(c.b, g, x_dims.size() - n, averaging_matrices(c.b, x_dims, out_spatial, e), 0)};
 }
 std::vector<Value> lower_adaptive_avg_pool2d_backward(Context& c) { return adaptive_avg_pool_backward(c, 2); }
 std::vector<Value> lower_adaptive_avg_pool3d_backward(Context& c) { return adaptive_avg_pool_backward(c, 3); }
