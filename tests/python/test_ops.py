@@ -281,3 +281,15 @@ def test_adaptive_avg_pool_uneven_windows_with_gradient(in_size, out_size):
     torch.testing.assert_close(yt.cpu(), y, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(xt.grad.cpu(), x.grad, rtol=1e-5, atol=1e-6)
     assert not torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+def test_hypot_signbit_erfc_edge_values():
+    a = torch.tensor([0., -0., 1e30, -3., float("nan"), -float("nan"), float("inf"), 2., 1e-30, 0.])
+    b = torch.tensor([0., 5., 1e30, 4., 1., 2., 3., -float("inf"), 1e-30, -2.])
+    torch_pjrt.reset_metrics()
+    assert_matches_cpu(torch.hypot, a, b)  # no overflow at 1e30, no underflow at 1e-30
+    assert_matches_cpu(torch.signbit, a)   # -0.0 and -nan have the sign bit set
+    assert_matches_cpu(torch.erfc, a)
+    for dtype in [torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.uint8, torch.bool]:
+        assert_matches_cpu(torch.signbit, torch.tensor([-2, 0, 3, -1]).to(dtype))
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]

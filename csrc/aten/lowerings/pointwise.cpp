@@ -51,6 +51,7 @@ UNARY(asinh, "chlo.asinh")
 UNARY(acosh, "chlo.acosh")
 UNARY(atanh, "chlo.atanh")
 UNARY(erf, "chlo.erf")
+UNARY(erfc, "chlo.erfc")
 UNARY(erfinv, "chlo.erf_inv")
 UNARY(lgamma, "chlo.lgamma")
 UNARY(digamma, "chlo.digamma")
@@ -122,6 +123,17 @@ std::vector<Value> lower_isinf(Context& c) {
   Value x = c.tensor("self");
   if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
   return {c.b.compare(c.b.unary("abs", x), full(c.b, INFINITY, x), hlo::Compare::EQ)};
+}
+// True for a set sign bit: -0.0 and negative NaNs included, as std::signbit.
+std::vector<Value> lower_signbit(Context& c) {
+  Value x = c.tensor("self");
+  ElementType e = x.element();
+  if (e == ElementType::Pred || !(is_float(e) || is_signed_int(e))) return {c.b.constant_bool(false, x.dims())};
+  if (is_float(e)) {
+    ElementType bits = byte_size(e) == 8 ? ElementType::S64 : byte_size(e) == 4 ? ElementType::S32 : ElementType::S16;
+    x = c.b.bitcast_convert(x, {bits, x.dims()});
+  }
+  return {c.b.compare(x, c.b.constant_int(0, x.element(), x.dims()), hlo::Compare::LT)};
 }
 std::vector<Value> lower_nan_to_num(Context& c) {
   Out o(c);
@@ -202,6 +214,18 @@ std::vector<Value> binary(Context& c) {
 }
 constexpr char k_fmod[] = "remainder", k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
                k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
+
+// sqrt(a^2 + b^2) scaled by the larger magnitude, so it neither overflows nor
+// underflows where the result is representable (as std::hypot).
+std::vector<Value> lower_hypot(Context& c) {
+  Out o(c);
+  Value a = c.b.unary("abs", in(c, o)), b = c.b.unary("abs", in(c, o, "other"));
+  Value big = c.b.binary("maximum", a, b), small = c.b.binary("minimum", a, b);
+  Value ratio = c.b.binary("divide", small, big);
+  Value r = c.b.binary("multiply", big, c.b.unary("sqrt", c.b.binary("add", full(c.b, 1, a), c.b.binary("multiply", ratio, ratio))));
+  r = c.b.select(c.b.compare(big, full(c.b, 0, a), hlo::Compare::EQ), full(c.b, 0, a), r);
+  return {c.b.select(c.b.compare(big, full(c.b, INFINITY, a), hlo::Compare::EQ), big, r)};
+}
 
 std::vector<Value> lower_pow(Context& c) {
   Out o(c);
@@ -459,7 +483,8 @@ void register_pointwise(Table& t) {
            {"tanh", lower_tanh}, {"sigmoid", lower_sigmoid}, {"ceil", lower_ceil}, {"floor", lower_floor},
            {"round", lower_round}, {"sign", lower_sign}, {"sgn", lower_sign}, {"asin", lower_asin},
            {"acos", lower_acos}, {"atan", lower_atan}, {"sinh", lower_sinh}, {"cosh", lower_cosh},
-           {"asinh", lower_asinh}, {"acosh", lower_acosh}, {"atanh", lower_atanh}, {"erf", lower_erf},
+           {"asinh", lower_asinh}, {"acosh", lower_acosh}, {"atanh", lower_atanh}, {"erf", lower_erf}, {"erfc", lower_erfc}, {"signbit", lower_signbit},
+           {"hypot", lower_hypot},
            {"erfinv", lower_erfinv}, {"lgamma", lower_lgamma}, {"digamma", lower_digamma},
            {"reciprocal", lower_reciprocal}, {"trunc", lower_trunc}, {"fix", lower_trunc}, {"frac", lower_frac},
            {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not}, {"logical_not", lower_logical_not},
