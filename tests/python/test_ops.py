@@ -141,6 +141,9 @@ def test_matmul_family(dtype):
     assert_matches_cpu(lambda c, a, b: torch.baddbmm(c, a, b), rand(2, 4, 3, dtype=dtype), rand(2, 4, 6, dtype=dtype),
                        rand(2, 6, 3, dtype=dtype), **tol)
     assert_matches_cpu(torch.dot, rand(6, dtype=dtype), rand(6, dtype=dtype), **tol)
+    assert_matches_cpu(torch.vdot, rand(6, dtype=dtype), rand(6, dtype=dtype), **tol)
+    assert_matches_cpu(lambda c, a, b: torch.addbmm(c, a, b, beta=0.5, alpha=-1.5), rand(4, 3, dtype=dtype),
+                       rand(2, 4, 6, dtype=dtype), rand(2, 6, 3, dtype=dtype), **tol)
     assert_matches_cpu(torch.mv, a, rand(6, dtype=dtype), **tol)
     assert_matches_cpu(F.linear, rand(5, 6, dtype=dtype), rand(3, 6, dtype=dtype), rand(3, dtype=dtype), **tol)
     assert_matches_cpu(lambda a, b: a @ b.t(), a, rand(3, 6, dtype=dtype), **tol)

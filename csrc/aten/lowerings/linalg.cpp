@@ -1,4 +1,4 @@
-// Matrix products: mm, bmm, addmm, baddbmm, addmv, mv, dot. matmul and linear
+// Matrix products: mm, bmm, addmm, baddbmm, addbmm, addmv, mv, dot, vdot. matmul and linear
 // are composites in PyTorch that reach these. Products of f16/bf16 accumulate
 // in f32, as PyTorch's CPU kernels do.
 #include "aten/lowerings/common.h"
@@ -32,16 +32,23 @@ std::vector<Value> lower_mm(Context& c) { return {product(c, "self", "mat2", 0, 
 std::vector<Value> lower_bmm(Context& c) { return {product(c, "self", "mat2", 1, 1)}; }
 std::vector<Value> lower_mv(Context& c) { return {product(c, "self", "vec", 0, 0)}; }
 std::vector<Value> lower_dot(Context& c) { return {product(c, "self", "tensor", 0, 0)}; }
+std::vector<Value> lower_vdot(Context& c) { return {product(c, "self", "other", 0, 0)}; }  // real: no conjugate
 std::vector<Value> lower_addmm(Context& c) { return {scale_and_add(c, product(c, "mat1", "mat2", 0, 0))}; }
 std::vector<Value> lower_baddbmm(Context& c) { return {scale_and_add(c, product(c, "batch1", "batch2", 1, 1))}; }
+// addbmm: the batch of products summed, i.e. contracting the batch dim too.
+std::vector<Value> lower_addbmm(Context& c) {
+  ElementType e = widen(c.output(0).element);
+  Value a = c.b.convert(c.tensor("batch1"), e), b = c.b.convert(c.tensor("batch2"), e);
+  return {scale_and_add(c, c.b.dot_general(a, b, {}, {}, {0, 2}, {0, 1}, e))};
+}
 std::vector<Value> lower_addmv(Context& c) { return {scale_and_add(c, product(c, "mat", "vec", 0, 0))}; }
 
 }  // namespace
 
 void register_linalg(Table& t) {
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"mm", lower_mm}, {"bmm", lower_bmm}, {"mv", lower_mv}, {"dot", lower_dot}, {"vdot", lower_dot},
-           {"addmm", lower_addmm}, {"baddbmm", lower_baddbmm}, {"addmv", lower_addmv}})
+           {"mm", lower_mm}, {"bmm", lower_bmm}, {"mv", lower_mv}, {"dot", lower_dot}, {"vdot", lower_vdot},
+           {"addmm", lower_addmm}, {"baddbmm", lower_baddbmm}, {"addbmm", lower_addbmm}, {"addmv", lower_addmv}})
     add_lowering(t, name, fn);
 }
 
