@@ -296,3 +296,30 @@ def test_hypot_signbit_erfc_edge_values():
     for dtype in [torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.uint8, torch.bool]:
         assert_matches_cpu(torch.signbit, torch.tensor([-2, 0, 3, -1]).to(dtype))
     assert not torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_scatter_reduce(reduce, include_self, dtype):
+    if reduce == "mean" and dtype == torch.int32:
+        pytest.skip("integer mean floors on the CPU; it runs there")
+    torch.manual_seed(0)
+    x = rand(4, 5, dtype=dtype)
+    src = rand(6, 5, dtype=dtype, low=-2, high=2)
+    index = torch.randint(0, 3, (6, 5))  # duplicates, and row 3 is never reached
+    torch_pjrt.reset_metrics()
+    assert_matches_cpu(lambda x, s, i: x.scatter_reduce(0, i, s, reduce, include_self=include_self), x, src, index)
+    assert_matches_cpu(lambda x, s, i: x.clone().scatter_reduce_(1, i, s, reduce, include_self=include_self),
+                       x, src[:4], index[:4].clamp(max=4))
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+@pytest.mark.parametrize("reduce", ["add", "multiply"])
+def test_scatter_with_reduce_argument(reduce):
+    x, src = rand(3, 4), rand(5, 4, low=-2, high=2)
+    index = torch.randint(0, 3, (5, 4))
+    torch_pjrt.reset_metrics()
+    assert_matches_cpu(lambda x, s, i: x.scatter(0, i, s, reduce=reduce), x, src, index)
+    assert_matches_cpu(lambda x, i: x.scatter(0, i, 1.5, reduce=reduce), x, index)
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]

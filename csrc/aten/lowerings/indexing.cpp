@@ -2,6 +2,8 @@
 // indexing (index.Tensor, index_put_), embedding_dense_backward. Out-of-range
 // indices are clamped by XLA instead of raising; debug mode is the place to
 // catch them (on CPU they raise).
+#include <optional>
+
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
@@ -42,7 +44,13 @@ std::vector<Value> lower_gather(Context& c) {
 
 // scatter / scatter_add: src (or a Scalar value) written at index along dim.
 std::vector<Value> scatter_like(Context& c, bool accumulate) {
-  if (c.has("reduce")) throw Unsupported("scatter with reduce=");
+  std::optional<hlo::Reducer> combine;  // scatter(..., reduce="add"/"multiply") combines with self
+  if (accumulate) combine = hlo::Reducer::Add;
+  if (c.has("reduce")) {
+    std::string reduce = c.string_arg("reduce");
+    if (reduce != "add" && reduce != "multiply") throw Unsupported("scatter with reduce=" + reduce);
+    combine = reduce == "add" ? hlo::Reducer::Add : hlo::Reducer::Mul;
+  }
   Value x = c.tensor("self"), index = c.tensor("index");
   if (index.type.element_count() == 0) return {x};
   Dims result_dims = x.dims();
@@ -62,8 +70,44 @@ std::vector<Value> scatter_like(Context& c, bool accumulate) {
   }
   Dims all = all_dims(rank);
   hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
-  return {c.b.reshape(c.b.scatter(x, coordinates(c.b, index, dim, rank), updates, dn, accumulate), result_dims)};
+  Value coords = coordinates(c.b, index, dim, rank);
+  Value out = combine ? c.b.scatter(x, coords, updates, dn, *combine) : c.b.scatter(x, coords, updates, dn, false);
+  return {c.b.reshape(out, result_dims)};
 }
+// scatter_reduce(self, dim, index, src, reduce, include_self): "sum", "prod",
+// "mean", "amax" or "amin" of the updates landing on each position. Positions
+// no index reaches keep self; with include_self=False the others start from
+// the reduction's identity instead of self.
+std::vector<Value> lower_scatter_reduce(Context& c) {
+  std::string reduce = c.string_arg("reduce");
+  bool include_self = !c.has("include_self") || c.bool_arg("include_self");
+  Value x = c.tensor("self"), index = c.tensor("index");
+  if (x.rank() == 0 || index.type.element_count() == 0) throw Unsupported("scatter_reduce of a 0-d or empty index");
+  ElementType e = x.element();
+  bool mean = reduce == "mean";
+  if (mean && !is_float(e)) throw Unsupported("integer scatter_reduce mean");
+  hlo::Reducer r = reduce == "sum" || mean ? hlo::Reducer::Add
+                   : reduce == "prod"     ? hlo::Reducer::Mul
+                   : reduce == "amax"     ? hlo::Reducer::Max
+                   : reduce == "amin"     ? hlo::Reducer::Min
+                                          : throw Unsupported("scatter_reduce " + reduce);
+  if (e == ElementType::Pred) throw Unsupported("bool scatter_reduce");
+  int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
+  Value src = c.b.convert(c.tensor("src"), e);
+  Value updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));
+  Dims all = all_dims(rank);
+  hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
+  Value coords = coordinates(c.b, index, dim, rank);
+  Value identity = c.b.broadcast_in_dim(init_for(c.b, r, e), x.dims(), {});
+  Value combined = c.b.scatter(include_self ? x : identity, coords, updates, dn, r);
+  if (include_self && !mean) return {combined};
+  Value ones = c.b.constant(1, e, index.dims());
+  Value counts = c.b.scatter(c.b.constant(0, e, x.dims()), coords, ones, dn, hlo::Reducer::Add);
+  Value reached = c.b.compare(counts, full(c.b, 0, counts), hlo::Compare::GT);
+  if (mean) combined = c.b.binary("divide", combined, include_self ? c.b.binary("add", counts, full(c.b, 1, counts)) : counts);
+  return {c.b.select(reached, combined, x)};
+}
+
 std::vector<Value> lower_scatter(Context& c) { return scatter_like(c, false); }
 std::vector<Value> lower_scatter_add(Context& c) { return scatter_like(c, true); }
 
@@ -198,6 +242,7 @@ std::vector<Value> lower_embedding_dense_backward(Context& c) {
 void register_indexing(Table& t) {
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
            {"gather", lower_gather}, {"scatter", lower_scatter}, {"scatter_add", lower_scatter_add},
+           {"scatter_reduce", lower_scatter_reduce},
            {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
            {"index_put", lower_index_put}, {"embedding_dense_backward", lower_embedding_dense_backward}})
     add_lowering(t, name, fn);

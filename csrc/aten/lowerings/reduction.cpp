@@ -14,44 +14,6 @@ namespace {
 using hlo::Compare;
 using hlo::Reducer;
 
-Value lowest(Builder& b, ElementType e) {
-  if (is_float(e)) return b.constant(-INFINITY, e);
-  if (e == ElementType::Pred) return b.constant_bool(false);
-  switch (e) {
-    case ElementType::S8: return b.constant_int(std::numeric_limits<int8_t>::min(), e);
-    case ElementType::S16: return b.constant_int(std::numeric_limits<int16_t>::min(), e);
-    case ElementType::S32: return b.constant_int(std::numeric_limits<int32_t>::min(), e);
-    case ElementType::S64: return b.constant_int(std::numeric_limits<int64_t>::min(), e);
-    default: return b.constant_int(0, e);  // unsigned
-  }
-}
-Value highest(Builder& b, ElementType e) {
-  if (is_float(e)) return b.constant(INFINITY, e);
-  if (e == ElementType::Pred) return b.constant_bool(true);
-  switch (e) {
-    case ElementType::S8: return b.constant_int(std::numeric_limits<int8_t>::max(), e);
-    case ElementType::S16: return b.constant_int(std::numeric_limits<int16_t>::max(), e);
-    case ElementType::S32: return b.constant_int(std::numeric_limits<int32_t>::max(), e);
-    case ElementType::S64: return b.constant_int(std::numeric_limits<int64_t>::max(), e);
-    case ElementType::U8: return b.constant_int(255, e);
-    case ElementType::U16: return b.constant_int(65535, e);
-    case ElementType::U32: return b.constant_int(4294967295LL, e);
-    default: return b.constant_int(-1, e);  // all ones for u64
-  }
-}
-
-Value init_for(Builder& b, Reducer r, ElementType e) {
-  switch (r) {
-    case Reducer::Add: return e == ElementType::Pred ? b.constant_bool(false) : b.constant(0, e);
-    case Reducer::Mul: return e == ElementType::Pred ? b.constant_bool(true) : b.constant(1, e);
-    case Reducer::Max: return lowest(b, e);
-    case Reducer::Min: return highest(b, e);
-    case Reducer::And: return b.constant_bool(true);
-    case Reducer::Or: return b.constant_bool(false);
-  }
-  return b.constant(0, e);
-}
-
 Value reduce(Builder& b, Value x, const Dims& dims, Reducer r) { return b.reduce(x, init_for(b, r, x.element()), dims, r); }
 
 int64_t count_over(const Value& x, const Dims& dims) {
