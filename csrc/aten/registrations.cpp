@@ -124,6 +124,16 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
   return to_host(self).item();
 }
 
+// torch.equal returns a Python bool: same sizes and every element equal
+// (after type promotion; NaN is never equal), read back from one reduction.
+bool equal(const at::Tensor& self, const at::Tensor& other) {
+  TORCH_CHECK(self.device() == other.device(), "Expected all tensors to be on the same device, but found ",
+              self.device(), " and ", other.device(), " (in torch.equal)");
+  if (!self.sizes().equals(other.sizes())) return false;
+  if (self.numel() == 0) return true;
+  return at::eq(self, other).all().item<bool>();
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
@@ -139,6 +149,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("equal", equal);
 }
 
 // Ops whose generic (CompositeExplicitAutograd) kernels would route to a

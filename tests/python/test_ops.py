@@ -323,3 +323,16 @@ def test_scatter_with_reduce_argument(reduce):
     assert_matches_cpu(lambda x, s, i: x.scatter(0, i, s, reduce=reduce), x, src, index)
     assert_matches_cpu(lambda x, i: x.scatter(0, i, 1.5, reduce=reduce), x, index)
     assert not torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+def test_equal_returns_a_bool_without_fallback():
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    cases = [(a[:2], a[:2]), (a[:2], torch.tensor([1.0, 3.0])), (a[:2], a[:1]), (a, a),
+             (torch.tensor([1, 2]), torch.tensor([1.0, 2.0])), (torch.empty(0), torch.empty(0))]
+    torch_pjrt.reset_metrics()
+    for x, y in cases:
+        got = torch.equal(x.to("tpu"), y.to("tpu"))
+        assert isinstance(got, bool) and got == torch.equal(x, y), (x, y)
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.equal(a.to("tpu"), a)
