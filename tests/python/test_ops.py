@@ -336,3 +336,27 @@ def test_equal_returns_a_bool_without_fallback():
     assert not torch_pjrt.metrics()["cpu_fallbacks"]
     with pytest.raises(RuntimeError, match="same device"):
         torch.equal(a.to("tpu"), a)
+
+
+@pytest.mark.parametrize("op", ["median", "nanmedian", "kthvalue"])
+def test_order_statistics(op):
+    nan = float("nan")
+    xs = [torch.randn(4, 7), torch.randint(0, 4, (3, 6)).float(), torch.randint(-5, 5, (5, 4)),
+          torch.tensor([[1., nan, 3., 2.], [nan, nan, 1., 0.], [nan] * 4, [5., -1., 2., 2.]])]
+    torch_pjrt.reset_metrics()
+    for x in xs:
+        xt = x.to("tpu")
+        if op != "kthvalue":  # the whole-tensor form returns the value only
+            torch.testing.assert_close(getattr(xt, op)().cpu(), getattr(x, op)(), equal_nan=True)
+        for dim in range(x.dim()):
+            for keepdim in (False, True):
+                args = (2, dim, keepdim) if op == "kthvalue" else (dim, keepdim)
+                want, got = getattr(x, op)(*args), getattr(xt, op)(*args)
+                values, indices = got[0].cpu(), got[1].cpu()
+                torch.testing.assert_close(values, want.values, equal_nan=True)
+                assert indices.shape == want.indices.shape
+                # Which of several equal elements is reported is up to the kernel
+                # (the CPU's is not the first either); it must hold the value.
+                picked = x.gather(dim, indices if keepdim else indices.unsqueeze(dim))
+                torch.testing.assert_close(picked if keepdim else picked.squeeze(dim), values, equal_nan=True)
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]

@@ -189,6 +189,68 @@ std::vector<Value> lower_count_nonzero(Context& c) {
   return {c.b.reshape(reduce(c.b, nz, reduce_dims(c, "dim", x.rank()), Reducer::Add), c.output(0).dims)};
 }
 
+
+// ---- order statistics: kthvalue, median, nanmedian ----
+
+// The k-th smallest along `dim` (k: S64 per row, rows = x without `dim`) and
+// its index. NaNs sort last (every NaN made positive first, since total order
+// puts negative NaNs first); the sort is stable, so ties keep input order.
+std::pair<Value, Value> kth_smallest(Builder& b, Value x, int64_t dim, Value k) {
+  if (is_float(x.element())) x = b.select(b.compare(x, x, Compare::NE), full(b, NAN, x), x);
+  Value idx = b.iota(TensorType{ElementType::S64, x.dims()}, dim);
+  std::vector<Value> sorted = b.sort({x, idx}, dim, /*descending=*/false);
+  Dims rows = all_dims(x.rank());
+  rows.erase(rows.begin() + dim);
+  Value hit = b.compare(idx, b.broadcast_in_dim(k, x.dims(), rows), Compare::EQ);
+  // One hit per row: a sum of the hit and zeros picks it (NaN and inf too).
+  Value value = reduce(b, b.select(hit, sorted[0], b.constant(0, x.element(), x.dims())), {dim}, Reducer::Add);
+  Value index = reduce(b, b.select(hit, sorted[1], b.constant_int(0, ElementType::S64, x.dims())), {dim}, Reducer::Add);
+  return {value, index};
+}
+
+// median / nanmedian (lower median) and kthvalue, with or without `dim`.
+std::vector<Value> order_statistic(Context& c, std::string_view op) {
+  Value x = c.tensor("self");
+  bool with_dim = c.has("dim");
+  if (!with_dim || x.rank() == 0) x = c.b.reshape(x, {x.type.element_count()});
+  int64_t dim = with_dim && x.rank() > 0 ? wrap_dim(c.int_arg("dim"), x.rank()) : 0;
+  int64_t n = x.dims()[dim];
+  if (n == 0) throw Unsupported("order statistic of an empty dim");
+  Dims row_dims = x.dims();
+  row_dims.erase(row_dims.begin() + dim);
+  const ElementType i64 = ElementType::S64;
+  bool floating = is_float(x.element());
+  Value isnan = floating ? c.b.compare(x, x, Compare::NE) : c.b.constant_bool(false, x.dims());
+  Value k;
+  if (op == "kthvalue") {
+    k = c.b.constant_int(c.int_arg("k") - 1, i64, row_dims);
+  } else if (op == "median" || !floating) {
+    k = c.b.constant_int((n - 1) / 2, i64, row_dims);
+  } else {  // nanmedian: the lower median of the values that are not NaN
+    Value count = reduce(c.b, c.b.convert(c.b.select(isnan, c.b.constant(0, x.element(), x.dims()),
+                                                     c.b.constant(1, x.element(), x.dims())), i64), {dim}, Reducer::Add);
+    Value minus_one = c.b.binary("subtract", count, c.b.constant_int(1, i64, row_dims));
+    k = c.b.binary("divide", c.b.binary("maximum", minus_one, c.b.constant_int(0, i64, row_dims)),
+                   c.b.constant_int(2, i64, row_dims));
+  }
+  auto [value, index] = kth_smallest(c.b, x, dim, k);
+  if (op == "median" && floating) {
+    // A row with a NaN has NaN for its median, at its first NaN. (kthvalue
+    // just sorts NaN last.)
+    Value any_nan = reduce(c.b, isnan, {dim}, Reducer::Or);
+    Value iota = c.b.iota(TensorType{i64, x.dims()}, dim);
+    Value first_nan = reduce(c.b, c.b.select(isnan, iota, c.b.constant_int(n, i64, x.dims())), {dim}, Reducer::Min);
+    value = c.b.select(any_nan, c.b.constant(NAN, x.element(), row_dims), value);
+    index = c.b.select(any_nan, first_nan, index);
+  }
+  std::vector<Value> out{c.b.reshape(value, c.output(0).dims)};
+  if (c.output_count() > 1) out.push_back(c.b.reshape(index, c.output(1).dims));
+  return out;
+}
+std::vector<Value> lower_kthvalue(Context& c) { return order_statistic(c, "kthvalue"); }
+std::vector<Value> lower_median(Context& c) { return order_statistic(c, "median"); }
+std::vector<Value> lower_nanmedian(Context& c) { return order_statistic(c, "nanmedian"); }
+
 }  // namespace
 
 void register_reduction(Table& t) {
@@ -198,7 +260,8 @@ void register_reduction(Table& t) {
            {"max", lower_max}, {"min", lower_min}, {"argmax", lower_argmax}, {"argmin", lower_argmin},
            {"var", lower_var}, {"std", lower_std}, {"var_mean", lower_var_mean}, {"std_mean", lower_std_mean},
            {"logsumexp", lower_logsumexp}, {"cumsum", lower_cumsum}, {"cumprod", lower_cumprod},
-           {"count_nonzero", lower_count_nonzero}})
+           {"count_nonzero", lower_count_nonzero}, {"kthvalue", lower_kthvalue},
+           {"median", lower_median}, {"nanmedian", lower_nanmedian}})
     add_lowering(t, name, fn);
   add_lowering(t, "linalg_vector_norm", lower_linalg_vector_norm, /*bake_scalars=*/true);
 }
