@@ -360,3 +360,15 @@ def test_order_statistics(op):
                 picked = x.gather(dim, indices if keepdim else indices.unsqueeze(dim))
                 torch.testing.assert_close(picked if keepdim else picked.squeeze(dim), values, equal_nan=True)
     assert not torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+def test_zeta_and_polygamma_zero():
+    torch.manual_seed(0)
+    x, q = torch.rand(500) * 20 - 10, torch.rand(500) * 20 - 10
+    torch_pjrt.reset_metrics()
+    assert_matches_cpu(torch.special.zeta, x, q, rtol=1e-4, atol=1e-4)
+    assert_matches_cpu(lambda x: torch.polygamma(0, x), q, rtol=1e-4, atol=1e-4)
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]
+    # n >= 1 runs on the CPU (the plugin's polygamma is inaccurate at x < 0) and still matches.
+    assert_matches_cpu(lambda x: torch.polygamma(2, x), q, rtol=1e-4, atol=1e-4)
+    assert torch_pjrt.metrics()["cpu_fallbacks"]

@@ -57,6 +57,20 @@ UNARY(lgamma, "chlo.lgamma")
 UNARY(digamma, "chlo.digamma")
 #undef UNARY
 
+// polygamma(0, x) is digamma. (chlo.polygamma for n >= 1 loses all accuracy
+// at negative x in f32, so those run on the CPU.)
+std::vector<Value> lower_polygamma(Context& c) {
+  Out o(c);
+  if (!is_float(o.compute) || c.int_arg("n") != 0) throw Unsupported("polygamma with n >= 1");
+  return {c.b.unary("chlo.digamma", in(c, o))};
+}
+// special_zeta(x, q): the Hurwitz zeta function.
+std::vector<Value> lower_zeta(Context& c) {
+  Out o(c);
+  if (!is_float(o.compute)) throw Unsupported("zeta of integers");
+  return {c.b.binary("chlo.zeta", in(c, o), in(c, o, "other"))};
+}
+
 std::vector<Value> lower_log2(Context& c) {
   Out o(c);
   Value x = in(c, o);
@@ -486,6 +500,7 @@ void register_pointwise(Table& t) {
            {"asinh", lower_asinh}, {"acosh", lower_acosh}, {"atanh", lower_atanh}, {"erf", lower_erf}, {"erfc", lower_erfc}, {"signbit", lower_signbit},
            {"hypot", lower_hypot},
            {"erfinv", lower_erfinv}, {"lgamma", lower_lgamma}, {"digamma", lower_digamma},
+           {"polygamma", lower_polygamma}, {"special_zeta", lower_zeta},
            {"reciprocal", lower_reciprocal}, {"trunc", lower_trunc}, {"fix", lower_trunc}, {"frac", lower_frac},
            {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not}, {"logical_not", lower_logical_not},
            {"isnan", lower_isnan}, {"isinf", lower_isinf}, {"nan_to_num", lower_nan_to_num},
