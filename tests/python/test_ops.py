@@ -372,3 +372,16 @@ def test_zeta_and_polygamma_zero():
     # n >= 1 runs on the CPU (the plugin's polygamma is inaccurate at x < 0) and still matches.
     assert_matches_cpu(lambda x: torch.polygamma(2, x), q, rtol=1e-4, atol=1e-4)
     assert torch_pjrt.metrics()["cpu_fallbacks"]
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce(reduce, include_self):
+    torch.manual_seed(0)
+    x, source = rand(5, 3), rand(4, 3, low=-2, high=2)
+    index = torch.tensor([0, 2, 0, 4])  # a repeat, and rows 1 and 3 untouched
+    torch_pjrt.reset_metrics()
+    assert_matches_cpu(lambda x, s, i: x.index_reduce(0, i, s, reduce, include_self=include_self), x, source, index)
+    assert_matches_cpu(lambda x, s, i: x.clone().index_reduce_(1, i, s, reduce, include_self=include_self),
+                       x, rand(5, 2), torch.tensor([2, 2]))
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]

@@ -74,38 +74,56 @@ std::vector<Value> scatter_like(Context& c, bool accumulate) {
   Value out = combine ? c.b.scatter(x, coords, updates, dn, *combine) : c.b.scatter(x, coords, updates, dn, false);
   return {c.b.reshape(out, result_dims)};
 }
-// scatter_reduce(self, dim, index, src, reduce, include_self): "sum", "prod",
-// "mean", "amax" or "amin" of the updates landing on each position. Positions
-// no index reaches keep self; with include_self=False the others start from
-// the reduction's identity instead of self.
-std::vector<Value> lower_scatter_reduce(Context& c) {
-  std::string reduce = c.string_arg("reduce");
-  bool include_self = !c.has("include_self") || c.bool_arg("include_self");
-  Value x = c.tensor("self"), index = c.tensor("index");
-  if (x.rank() == 0 || index.type.element_count() == 0) throw Unsupported("scatter_reduce of a 0-d or empty index");
+// "sum", "prod", "mean", "amax" or "amin" of the updates landing on each
+// position of x (coords: full coordinates per update). Positions no update
+// reaches keep x; with include_self=False the others start from the
+// reduction's identity instead of x.
+Value reduce_into(Builder& b, Value x, Value coords, Value updates, const std::string& reduce, bool include_self) {
   ElementType e = x.element();
   bool mean = reduce == "mean";
-  if (mean && !is_float(e)) throw Unsupported("integer scatter_reduce mean");
+  if (e == ElementType::Pred) throw Unsupported("bool scatter reduction");
+  if (mean && !is_float(e)) throw Unsupported("integer scatter mean");  // the CPU floors
   hlo::Reducer r = reduce == "sum" || mean ? hlo::Reducer::Add
                    : reduce == "prod"     ? hlo::Reducer::Mul
                    : reduce == "amax"     ? hlo::Reducer::Max
                    : reduce == "amin"     ? hlo::Reducer::Min
-                                          : throw Unsupported("scatter_reduce " + reduce);
-  if (e == ElementType::Pred) throw Unsupported("bool scatter_reduce");
-  int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
-  Value src = c.b.convert(c.tensor("src"), e);
-  Value updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));
+                                          : throw Unsupported("scatter reduction " + reduce);
+  int64_t rank = x.rank();
   Dims all = all_dims(rank);
   hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
-  Value coords = coordinates(c.b, index, dim, rank);
-  Value identity = c.b.broadcast_in_dim(init_for(c.b, r, e), x.dims(), {});
-  Value combined = c.b.scatter(include_self ? x : identity, coords, updates, dn, r);
-  if (include_self && !mean) return {combined};
-  Value ones = c.b.constant(1, e, index.dims());
-  Value counts = c.b.scatter(c.b.constant(0, e, x.dims()), coords, ones, dn, hlo::Reducer::Add);
-  Value reached = c.b.compare(counts, full(c.b, 0, counts), hlo::Compare::GT);
-  if (mean) combined = c.b.binary("divide", combined, include_self ? c.b.binary("add", counts, full(c.b, 1, counts)) : counts);
-  return {c.b.select(reached, combined, x)};
+  Value identity = b.broadcast_in_dim(init_for(b, r, e), x.dims(), {});
+  Value combined = b.scatter(include_self ? x : identity, coords, updates, dn, r);
+  if (include_self && !mean) return combined;
+  Value ones = b.constant(1, e, updates.dims());
+  Value counts = b.scatter(b.constant(0, e, x.dims()), coords, ones, dn, hlo::Reducer::Add);
+  Value reached = b.compare(counts, full(b, 0, counts), hlo::Compare::GT);
+  if (mean) combined = b.binary("divide", combined, include_self ? b.binary("add", counts, full(b, 1, counts)) : counts);
+  return b.select(reached, combined, x);
+}
+
+bool include_self_arg(Context& c) { return !c.has("include_self") || c.bool_arg("include_self"); }
+
+// scatter_reduce(self, dim, index, src, reduce, include_self)
+std::vector<Value> lower_scatter_reduce(Context& c) {
+  Value x = c.tensor("self"), index = c.tensor("index");
+  if (x.rank() == 0 || index.type.element_count() == 0) throw Unsupported("scatter_reduce of a 0-d or empty index");
+  int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
+  Value src = c.b.convert(c.tensor("src"), x.element());
+  Value updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));
+  return {reduce_into(c.b, x, coordinates(c.b, index, dim, rank), updates, c.string_arg("reduce"), include_self_arg(c))};
+}
+
+// index_reduce(self, dim, index, source, reduce, include_self): slice i of
+// source reduces into slice index[i] of self along dim.
+std::vector<Value> lower_index_reduce(Context& c) {
+  Value x = c.tensor("self"), index = c.tensor("index");
+  Value source = c.b.convert(c.tensor("source"), x.element());
+  if (x.rank() == 0 || source.rank() != x.rank() || index.type.element_count() == 0)
+    throw Unsupported("index_reduce of a 0-d tensor or an empty index");
+  int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
+  Value per_update = c.b.broadcast_in_dim(c.b.reshape(index, {index.type.element_count()}), source.dims(), {dim});
+  return {reduce_into(c.b, x, coordinates(c.b, per_update, dim, rank), source, c.string_arg("reduce"),
+                      include_self_arg(c))};
 }
 
 std::vector<Value> lower_scatter(Context& c) { return scatter_like(c, false); }
@@ -242,7 +260,7 @@ std::vector<Value> lower_embedding_dense_backward(Context& c) {
 void register_indexing(Table& t) {
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
            {"gather", lower_gather}, {"scatter", lower_scatter}, {"scatter_add", lower_scatter_add},
-           {"scatter_reduce", lower_scatter_reduce},
+           {"scatter_reduce", lower_scatter_reduce}, {"index_reduce", lower_index_reduce},
            {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
            {"index_put", lower_index_put}, {"embedding_dense_backward", lower_embedding_dense_backward}})
     add_lowering(t, name, fn);
