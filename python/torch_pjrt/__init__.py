@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -104,6 +105,26 @@ def _end_of_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_end_of_step)
+
+# Inference has no optimizer step: fused mode also cuts the graph when an
+# outermost module call returns with autograd off, so an evaluation loop is
+# one repeating graph per batch rather than arbitrary cuts at the op limit.
+_module_calls = threading.local()  # depth of nested module calls, per thread
+
+
+def _module_enter(module, args) -> None:
+    _module_calls.depth = getattr(_module_calls, "depth", 0) + 1
+
+
+def _module_exit(module, args, output) -> None:
+    depth = max(getattr(_module_calls, "depth", 1) - 1, 0)
+    _module_calls.depth = depth
+    if depth == 0 and not torch.is_grad_enabled() and _C._get_mode() == "fused":
+        _C._sync()
+
+
+torch.nn.modules.module.register_module_forward_pre_hook(_module_enter)
+torch.nn.modules.module.register_module_forward_hook(_module_exit, always_call=True)
 
 
 def optimizer_step(optimizer, **kwargs):

@@ -253,3 +253,28 @@ def test_fused_mode_cuts_graphs_at_optimizer_steps(mode):
         cpu_opt.step()
     for got, want in zip(weights, cpu_model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_inference_loop_is_one_repeating_graph_per_batch():
+    # No optimizer step cuts an evaluation loop: fused mode cuts when the
+    # outermost module call returns under no_grad, so the loop compiles a few
+    # small graphs instead of cutting at arbitrary points of the op limit.
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    xs, ys = torch.randn(3, 8, 16), torch.randint(0, 4, (3, 8))
+    with torch_pjrt.mode("fused"), torch.no_grad():
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).to("tpu")
+        model.load_state_dict(cpu_model.state_dict())
+        xt, yt = xs.to("tpu"), ys.to("tpu")
+        torch_pjrt.sync()
+        totals = []
+        for _ in range(2):  # the second pass must find every graph of the first
+            torch_pjrt.reset_metrics()
+            correct = torch.zeros((), dtype=torch.long, device="tpu")
+            for i in range(12):
+                correct += (model(xt[i % 3]).argmax(1) == yt[i % 3]).sum()
+            totals.append(correct.item())
+        m = torch_pjrt.metrics()
+    want = sum(int((cpu_model(xs[i % 3]).argmax(1) == ys[i % 3]).sum()) for i in range(12))
+    assert totals == [want, want]
+    assert m["graphs"] >= 12 and m["compiles"] == 0
