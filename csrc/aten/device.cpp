@@ -31,8 +31,12 @@ std::string& configured_path() {
   return path;
 }
 
+// The runtime is never destroyed. Caches elsewhere hold buffers and
+// executables, and destroying the client at exit before them, or while the
+// plugin's threads run, makes PJRT calls on a dead client. The process exit
+// reclaims it all.
 Runtime& runtime() {
-  static Runtime rt;
+  static Runtime& rt = *new Runtime();
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {

@@ -36,7 +36,7 @@ pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = fals
 
 pjrt::BufferPtr cached_scalar_buffer(const unsigned char (&bytes)[8], ElementType e, int device) {
   static std::mutex mutex;
-  static std::unordered_map<std::string, pjrt::BufferPtr> cache;
+  static auto& cache = *new std::unordered_map<std::string, pjrt::BufferPtr>();  // never destroyed (see device.cpp)
   std::string key(reinterpret_cast<const char*>(bytes), 8);
   key += static_cast<char>(e);
   key += std::to_string(device);
@@ -603,7 +603,8 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 }
 
 std::mutex g_cache_mutex;
-std::unordered_map<std::string, std::shared_ptr<CachedOp>> g_op_cache;
+// Never destroyed: no PJRT call may run during static destruction at exit.
+std::unordered_map<std::string, std::shared_ptr<CachedOp>>& g_op_cache = *new std::unordered_map<std::string, std::shared_ptr<CachedOp>>();
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   note_cpu_fallback(op_name(op.schema()), why);
   flush_pending();

@@ -63,7 +63,9 @@ struct CompiledGraph {
   pjrt::ExecutablePtr exe;
 };
 std::mutex g_graph_cache_mutex;
-std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> g_graph_cache;
+// Never destroyed: no PJRT call may run during static destruction at exit.
+std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& g_graph_cache =
+    *new std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>();
 
 int storage_id(PendingGraph& g, const c10::Storage& storage) {
   const StorageState* st = &storage_state(storage);
