@@ -152,7 +152,7 @@ Value write_view(Builder& b, const Value& flat, const Value& value, const Stride
   }
   const int64_t rank = static_cast<int64_t>(view.sizes.size());
   Builder::ScatterDims dn{{}, {0}, {}, {}, {0}, rank};
-  return b.scatter(flat, element_indices(b, view), value, dn, /*accumulate=*/false);
+  return b.scatter(flat, element_indices(b, view), value, dn, /*combine=*/std::nullopt);
 }
 
 }  // namespace torch_pjrt::graph

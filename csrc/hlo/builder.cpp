@@ -467,21 +467,8 @@ Value Builder::gather(Value operand, Value indices, const GatherDims& dn, const 
               TensorType{operand.element(), out_dims});
 }
 
-Value Builder::scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, bool accumulate) {
-  if (accumulate) return scatter(operand, indices, updates, dn, Reducer::Add);
-  std::string t = TensorType{operand.element(), {}}.str();
-  std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
-  std::string region = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      \"stablehlo.return\"(" + b +
-                       ") : (" + t + ") -> ()\n    }";
-  return scatter_with_region(operand, indices, updates, dn, region);
-}
-
-Value Builder::scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, Reducer combine) {
-  return scatter_with_region(operand, indices, updates, dn, reducer_region(combine, operand.element()));
-}
-
-Value Builder::scatter_with_region(Value operand, Value indices, Value updates, const ScatterDims& dn,
-                                   const std::string& region) {
+Value Builder::scatter(Value operand, Value indices, Value updates, const ScatterDims& dn,
+                       std::optional<Reducer> combine) {
   std::string attr = "#stablehlo.scatter<";
   std::vector<std::string> parts;
   if (!dn.update_window_dims.empty()) parts.push_back("update_window_dims = " + list(dn.update_window_dims));
@@ -493,6 +480,15 @@ Value Builder::scatter_with_region(Value operand, Value indices, Value updates, 
   parts.push_back("index_vector_dim = " + std::to_string(dn.index_vector_dim));
   for (size_t i = 0; i < parts.size(); ++i) attr += (i ? ", " : "") + parts[i];
   attr += ">";
+  std::string region;
+  if (combine) {
+    region = reducer_region(*combine, operand.element());
+  } else {
+    std::string t = TensorType{operand.element(), {}}.str();
+    std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
+    region = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      \"stablehlo.return\"(" + b + ") : (" +
+             t + ") -> ()\n    }";
+  }
   return emit("scatter", {operand, indices, updates},
               "{indices_are_sorted = false, scatter_dimension_numbers = " + attr + ", unique_indices = false}",
               operand.type, region);

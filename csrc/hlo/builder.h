@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -93,10 +94,10 @@ class Builder {
         scatter_dims_to_operand_dims;
     int64_t index_vector_dim;
   };
-  // `combine` is Reducer::Add to accumulate; std::nullopt-like `replace` overwrites.
-  Value scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, bool accumulate);
-  // Combines every update with the value it lands on (Add, Mul, Max, Min, ...).
-  Value scatter(Value operand, Value indices, Value updates, const ScatterDims& dn, Reducer combine);
+  // Each update is combined with the value it lands on (Add accumulates, or
+  // Mul, Max, Min, ...); std::nullopt overwrites it.
+  Value scatter(Value operand, Value indices, Value updates, const ScatterDims& dn,
+                std::optional<Reducer> combine);
 
   // Sorts along `dim`; the first operand is the key. Returns all operands sorted.
   std::vector<Value> sort(const std::vector<Value>& operands, int64_t dim, bool descending, bool stable = true);
@@ -115,8 +116,6 @@ class Builder {
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
              TensorType result, const std::string& region = "");
-  Value scatter_with_region(Value operand, Value indices, Value updates, const ScatterDims& dn,
-                            const std::string& region);
   std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
                                 const std::string& attributes, const std::vector<TensorType>& results,
                                 const std::string& region);

@@ -100,7 +100,7 @@ TEST(Runtime, GatherScatterSortAndRng) {
   hlo::Builder::GatherDims g{{}, {0}, {}, {}, {0}, 1};
   auto got = b.gather(x, idx, g, {1}, {2});
   hlo::Builder::ScatterDims s{{}, {0}, {}, {}, {0}, 1};
-  auto acc = b.scatter(x, idx, got, s, /*accumulate=*/true);  // x[3] += 2 * x[3]
+  auto acc = b.scatter(x, idx, got, s, hlo::Reducer::Add);  // x[3] += 2 * x[3]
   auto sorted = b.sort({acc}, 0, /*descending=*/true);
   std::vector<float> xs{4, 1, 3, 2, 5};
   auto bx = client()->buffer_from_host(xs.data(), ElementType::F32, {5});

@@ -70,10 +70,9 @@ std::vector<Value> scatter_like(Context& c, bool accumulate) {
   }
   Dims all = all_dims(rank);
   hlo::Builder::ScatterDims dn{{}, all, {}, {}, all, rank};
-  Value coords = coordinates(c.b, index, dim, rank);
-  Value out = combine ? c.b.scatter(x, coords, updates, dn, *combine) : c.b.scatter(x, coords, updates, dn, false);
-  return {c.b.reshape(out, result_dims)};
+  return {c.b.reshape(c.b.scatter(x, coordinates(c.b, index, dim, rank), updates, dn, combine), result_dims)};
 }
+
 // "sum", "prod", "mean", "amax" or "amin" of the updates landing on each
 // position of x (coords: full coordinates per update). Positions no update
 // reaches keep x; with include_self=False the others start from the
@@ -235,7 +234,8 @@ std::vector<Value> lower_index_put(Context& c) {
   Value updates = c.b.transpose(values, inverse(perm));
   hlo::Builder::ScatterDims dn{range(nb, nr), range(0, p.k), {}, {}, range(0, p.k), nb};
   bool accumulate = c.has("accumulate") && c.bool_arg("accumulate");
-  Value xt = c.b.scatter(c.b.transpose(x, p.order), p.coords, updates, dn, accumulate);
+  Value xt = c.b.scatter(c.b.transpose(x, p.order), p.coords, updates, dn,
+                         accumulate ? std::optional(hlo::Reducer::Add) : std::nullopt);
   return {c.b.transpose(xt, inverse(p.order))};
 }
 
@@ -252,7 +252,7 @@ std::vector<Value> lower_embedding_dense_backward(Context& c) {
   Value keep = c.b.broadcast_in_dim(c.b.compare(idx, padding, hlo::Compare::NE), {n, width}, {0});
   g = c.b.select(keep, g, zeros_like(c.b, g));
   hlo::Builder::ScatterDims dn{{1}, {0}, {}, {}, {0}, 1};
-  return {c.b.scatter(c.b.constant(0, e, o.dims), c.b.reshape(idx, {n, 1}), g, dn, true)};
+  return {c.b.scatter(c.b.constant(0, e, o.dims), c.b.reshape(idx, {n, 1}), g, dn, hlo::Reducer::Add)};
 }
 
 }  // namespace
