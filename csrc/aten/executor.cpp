@@ -29,11 +29,20 @@ namespace {
 
 std::mutex g_pending_mutex;
 std::deque<std::unique_ptr<pjrt::Event>> g_pending;
+// `as_storage`: a storage's whole buffer, kept 1-D like every storage buffer
+// (a program's storage parameter type then follows from the op signature).
+pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false) {
+  at::Tensor dense = cpu.contiguous();
+  ElementType e = element_or_throw(dense.scalar_type());
+  std::vector<int64_t> dims(dense.sizes().begin(), dense.sizes().end());
+  if (as_storage) dims = {dense.numel()};
+  metrics().host_to_device_bytes += static_cast<int64_t>(dense.nbytes());
+  return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
+}
+
 // Host values of Scalar operands are few and repeat (alpha=1, lr, the 0-d
 // CPU tensor PyTorch makes of `x + 1.0`): keep their device buffers instead of
 // uploading one per op. `bytes` holds one element of type `e`.
-pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false);
-
 pjrt::BufferPtr cached_scalar_buffer(const unsigned char (&bytes)[8], ElementType e, int device) {
   static std::mutex mutex;
   static auto& cache = *new std::unordered_map<std::string, pjrt::BufferPtr>();  // never destroyed (see device.cpp)
@@ -79,16 +88,6 @@ pjrt::BufferPtr host_operand(const at::Tensor& t, int device) {
   return cached_scalar_buffer(bytes, e, device);
 }
 
-// `as_storage`: a storage's whole buffer, kept 1-D like every storage buffer
-// (a program's storage parameter type then follows from the op signature).
-pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage) {
-  at::Tensor dense = cpu.contiguous();
-  ElementType e = element_or_throw(dense.scalar_type());
-  std::vector<int64_t> dims(dense.sizes().begin(), dense.sizes().end());
-  if (as_storage) dims = {dense.numel()};
-  metrics().host_to_device_bytes += static_cast<int64_t>(dense.nbytes());
-  return client().buffer_from_host(dense.const_data_ptr(), e, dims, device);
-}
 // ---- signatures -----------------------------------------------------------
 
 bool is_scalar_arg(const c10::Argument& a) {

@@ -143,8 +143,7 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operands.push_back(st.buffer);
     g.operand_storage.push_back(id);
   }
-  RecordedOp rec{call.op,           cached, op_key + '@', {}, call.written, call.returns_written, {},
-                 location};
+  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location};
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   g.key += rec.key;
   std::vector<at::Tensor> outs = output_tensors(call, *cached);

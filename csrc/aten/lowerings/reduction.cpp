@@ -189,7 +189,6 @@ std::vector<Value> lower_count_nonzero(Context& c) {
   return {c.b.reshape(reduce(c.b, nz, reduce_dims(c, "dim", x.rank()), Reducer::Add), c.output(0).dims)};
 }
 
-
 // ---- order statistics: kthvalue, median, nanmedian ----
 
 // The k-th smallest along `dim` (k: S64 per row, rows = x without `dim`) and
@@ -227,8 +226,7 @@ std::vector<Value> order_statistic(Context& c, std::string_view op) {
   } else if (op == "median" || !floating) {
     k = c.b.constant_int((n - 1) / 2, i64, row_dims);
   } else {  // nanmedian: the lower median of the values that are not NaN
-    Value count = reduce(c.b, c.b.convert(c.b.select(isnan, c.b.constant(0, x.element(), x.dims()),
-                                                     c.b.constant(1, x.element(), x.dims())), i64), {dim}, Reducer::Add);
+    Value count = reduce(c.b, c.b.convert(c.b.compare(x, x, Compare::EQ), i64), {dim}, Reducer::Add);
     Value minus_one = c.b.binary("subtract", count, c.b.constant_int(1, i64, row_dims));
     k = c.b.binary("divide", c.b.binary("maximum", minus_one, c.b.constant_int(0, i64, row_dims)),
                    c.b.constant_int(2, i64, row_dims));
