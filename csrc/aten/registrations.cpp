@@ -134,7 +134,20 @@ bool equal(const at::Tensor& self, const at::Tensor& other) {
   return at::eq(self, other).all().item<bool>();
 }
 
+// Dense cpu and tpu tensors may swap data in place (`param.data = t`), as cpu
+// and cuda tensors do: nn.Module._apply then moves a module by keeping its
+// Parameter objects (ties, optimizers built before the move, .grad) instead of
+// making new ones. c10's built-in rule lists only the in-tree dense backends.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense_cpu_or_tpu = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && (t.device().type() == kTpu || t.device().is_cpu());
+  };
+  if (dense_cpu_or_tpu(self) && dense_cpu_or_tpu(from)) return true;
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
