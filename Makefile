@@ -17,9 +17,13 @@ build: deps
 demo: build
 	PYTHONPATH=python $(PY) examples/demo.py
 
+# No binary file may be tracked (wheels, .so files): checked first, it is instant.
+check-binaries:
+	sh tools/check_no_binaries.sh
+
 # C++ runtime tests, then the Python suite in each execution mode (debug
 # skips the OpInfo sweep: it only adds waiting to strict's programs).
-test: build
+test: check-binaries build
 	cd $(BUILD) && ctest --output-on-failure
 	for mode in strict fused lazy; do \
 	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider tests/python || exit 1; done
@@ -29,4 +33,4 @@ bench: build
 	PYTHONPATH=python $(PY) benchmarks/bench_eager.py
 	PYTHONPATH=python $(PY) benchmarks/bench_fused.py
 
-.PHONY: deps build demo test bench
+.PHONY: deps build demo check-binaries test bench
