@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -61,6 +62,7 @@ PendingGraph& pending_graph() {
 
 struct CompiledGraph {
   pjrt::ExecutablePtr exe;
+  std::atomic<bool> ran_once{false};  // a run of it completed without error
 };
 std::mutex g_graph_cache_mutex;
 // Never destroyed: no PJRT call may run during static destruction at exit.
@@ -322,12 +324,27 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   return donated;
 }
 
-// Every storage the failed graph was to write keeps the error instead of a
-// stale or zero value; then the error is raised at the line that flushed.
-[[noreturn]] void fail_graph(PendingGraph& g, const std::string& message) {
+// A failed graph is undone: recording never replaces a storage's buffer, so
+// every storage it was to write still holds the buffer it had before the
+// graph, and parameters and optimizer state read as before the failed step.
+// Storages with no value before the graph (made inside it) keep the error and
+// raise it when used, and so does any storage whose donated input buffer the
+// plugin consumed despite the failure (never a stale or zero value).
+[[noreturn]] void fail_graph(PendingGraph& g, const std::string& message, const std::map<int, int>& donated) {
   auto lost = std::make_shared<const std::string>(message);
-  for (size_t id = 0; id < g.storages.size(); ++id)
-    if (g.written[id]) storage_state(g.storages[id]).lost = lost;
+  std::vector<char> consumed(g.storages.size(), 0);
+  for (auto [operand, output] : donated) {
+    bool deleted = true;
+    try {
+      deleted = g.operands[operand]->is_deleted();
+    } catch (const std::exception&) {
+    }
+    if (deleted) consumed[g.operand_storage[operand]] = 1;
+  }
+  for (size_t id = 0; id < g.storages.size(); ++id) {
+    StorageState& st = storage_state(g.storages[id]);
+    if (g.written[id] && (!st.buffer || consumed[id])) st.lost = lost;
+  }
   clear_graph(g);
   TORCH_CHECK(false, message);
 }
@@ -364,7 +381,15 @@ void run_graph(PendingGraph& g) {
     }
     std::vector<pjrt::Buffer*> buffers;
     for (const auto& b : g.operands) buffers.push_back(b.get());
+    // The first run of a new graph (new shapes: the likeliest to run out of
+    // memory) waits for completion while every input buffer is still held, so
+    // a failure the plugin reports asynchronously is still undone here.
+    bool first_run = !compiled->ran_once.load();
     auto result = compiled->exe->execute(buffers);
+    if (first_run && result.done) {
+      result.done->wait();
+      compiled->ran_once = true;
+    }
     for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
@@ -377,12 +402,12 @@ void run_graph(PendingGraph& g) {
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
-                           where, ": ", e.what()));
+                           where, ": ", e.what()), donated);
   } catch (const std::exception& e) {
     std::string first = graph::describe_source_location(g.ops.front().location);
     std::string last = graph::describe_source_location(g.ops.back().location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
-                           e.what()));
+                           e.what()), donated);
   }
 }
 
