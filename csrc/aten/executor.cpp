@@ -1,6 +1,7 @@
 #include "aten/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
@@ -242,6 +243,8 @@ c10::IValue meta_value(const c10::IValue& v) {
 }
 
 
+std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas);
+
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
   torch::jit::Stack stack;
@@ -250,6 +253,8 @@ MetaResult infer_meta(const Call& call) {
     metas.push_back(meta_value(v));
     stack.push_back(metas.back());
   }
+  // Before the op's own meta kernel, whose out= cast check is laxer than CPU's.
+  std::vector<at::ScalarType> compute = written_compute_dtypes(call, metas);
   call.op.callBoxed(&stack);
   MetaResult r;
   auto add = [&](const at::Tensor& t) {
@@ -260,6 +265,8 @@ MetaResult infer_meta(const Call& call) {
   if (call.returns_written) {
     for (int a : call.written) add(metas[a].toTensor());
     for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
+    // The lowering computes in the op's own result dtype; emit() casts to the written dtype.
+    for (size_t i = 0; i < compute.size(); ++i) r.outputs[i].element = element_or_throw(compute[i]);
     return r;
   }
   for (const auto& v : stack) {
@@ -451,8 +458,140 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   }
 }
 
+// ---- CPU checks the meta kernels miss ----------------------------------------
+
+// Memory overlap, with ATen's own rules as the CPU kernels apply them
+// (TensorIterator and the index family). tpu data pointers are storage + offset,
+// so these metadata checks see what they see on the CPU.
+void check_memory_overlap(const Call& call) {
+  // CPU writes these without an internal-overlap error (a constant, or only a deprecation warning).
+  static const std::set<std::string> internal_ok{"fill", "zero", "masked_fill", "index_fill", "index_put",
+                                                 "_index_put_impl"};
+  // CPU kernels that check no overlap between their output and inputs.
+  static const std::set<std::string> inputs_unchecked{"fill", "masked_fill", "index_fill", "masked_scatter",
+                                                      "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "sum", "mean"};
+  // The index family rejects even full aliasing (at::assert_no_overlap).
+  static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
+                                                 "scatter", "scatter_add", "scatter_reduce", "index_reduce"};
+  std::string base = base_name(call.schema);
+  for (int w : call.written) {
+    const at::Tensor& out = call.args[w].toTensor();
+    if (!internal_ok.count(base)) at::assert_no_internal_overlap(out);
+    if (inputs_unchecked.count(base)) continue;
+    for (size_t i = 0; i < call.args.size(); ++i) {
+      if (static_cast<int>(i) == w) continue;
+      map_tensors(call.args[i], [&](const at::Tensor& in) {
+        if (!in.defined() || in.device().type() != kTpu) return in;
+        if (no_aliasing.count(base)) at::assert_no_overlap(out, in);
+        else at::assert_no_partial_overlap(out, in);
+        return in;
+      });
+    }
+  }
+}
+
+// Checks CPU kernels make in their bodies, outside the meta functions.
+void check_cpu_kernel_rules(const Call& call) {
+  std::string base = base_name(call.schema);
+  if (base == "index_put" || base == "_index_put_impl") {
+    auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
+    auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
+    TORCH_CHECK(values.scalar_type() == self.scalar_type(),
+                "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
+                " for the destination and ", values.scalar_type(), " for the source.");
+  }
+}
+
+// The functional form of an in-place or out= op (add_.Tensor, add.out ->
+// add.Tensor): the overload of the base name whose arguments are the op's
+// own minus the written out= ones. Its result dtype is what CPU computes in.
+std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& schema) {
+  static std::mutex mutex;
+  static auto& found = *new std::unordered_map<std::string, std::optional<c10::OperatorHandle>>();
+  static auto& overloads = *new std::unordered_map<std::string, std::vector<c10::OperatorName>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  std::string key = op_name(schema);
+  if (auto it = found.find(key); it != found.end()) return it->second;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  if (overloads.empty())
+    for (const c10::OperatorName& n : dispatcher.getAllOpNames()) overloads[n.name].push_back(n);
+  std::vector<const c10::Argument*> wanted;
+  for (const auto& a : schema.arguments())
+    if (!(a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite())) wanted.push_back(&a);
+  std::string name = schema.name();
+  if (name.size() > 1 && name.back() == '_') name.pop_back();
+  std::optional<c10::OperatorHandle> result;
+  for (const c10::OperatorName& n : overloads[name]) {
+    auto op = dispatcher.findOp(n);
+    if (!op || !op->hasSchema() || op_name(op->schema()) == key || !op->schema().returns().size()) continue;
+    const auto& args = op->schema().arguments();
+    bool same = args.size() == wanted.size();
+    for (size_t i = 0; same && i < args.size(); ++i)
+      same = args[i].name() == wanted[i]->name() && args[i].type()->str() == wanted[i]->type()->str() &&
+             !(args[i].alias_info() && args[i].alias_info()->isWrite());
+    if (same) {
+      result = op;
+      break;
+    }
+  }
+  found.emplace(key, result);
+  return result;
+}
+
+// CPU's decision on an op whose written tensor's dtype differs from the result
+// dtype (a cast CPU may allow or reject): the op itself on small CPU stand-ins
+// of the same shapes and dtypes. Its error is CPU's error.
+void probe_on_cpu(const Call& call) {
+  torch::jit::Stack stack;
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+    stack.push_back(map_tensors(call.args[i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu) return t;
+      auto options = t.options().device(at::kCPU);
+      return written ? at::empty(t.sizes(), options) : at::ones({}, options).expand(t.sizes());
+    }));
+  }
+  call.op.callBoxed(&stack);
+}
+
+// In-place and out= ops compute in their functional form's result dtype and
+// cast to the written tensor's dtype where CPU allows that cast. Returns the
+// compute dtype per written tensor (in call.written order).
+std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas) {
+  std::vector<at::ScalarType> out;
+  for (int w : call.written) out.push_back(metas[w].toTensor().scalar_type());
+  if (!call.returns_written) return out;
+  auto functional = functional_form(call.schema);
+  if (!functional) return out;
+  torch::jit::Stack stack;
+  const auto& args = call.schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i)
+    if (!(args[i].kwarg_only() && args[i].alias_info() && args[i].alias_info()->isWrite()))
+      stack.push_back(meta_value(call.args[i]));
+  try {
+    functional->callBoxed(&stack);
+  } catch (const c10::Error&) {
+    return out;  // no usable functional meta: the written dtype stays the compute dtype
+  }
+  if (stack.size() != out.size()) return out;
+  bool probe = false;
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (!stack[k].isTensor()) return out;
+    at::ScalarType result = stack[k].toTensor().scalar_type();
+    if (result == out[k]) continue;
+    TORCH_CHECK(c10::canCast(result, out[k]), "result type ", result, " can't be cast to the desired output type ",
+                out[k]);
+    probe = true;
+    out[k] = result;
+  }
+  if (probe) probe_on_cpu(call);
+  return out;
+}
+
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
+  check_memory_overlap(call);
+  check_cpu_kernel_rules(call);
   auto cached = std::make_shared<CachedOp>();
   cached->meta = infer_meta(call);
   cached->entry = &entry;
@@ -486,7 +625,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   for (size_t i = 0; i < results.size(); ++i) {
     if (cached.outputs[i].absent) continue;
     const OutputMeta& m = meta.outputs[i];
-    Value r = b.convert(results[i], m.element);
+    Value r = b.convert(b.convert(results[i], m.element), element_or_throw(cached.outputs[i].dtype));
     if (r.dims() != m.dims) {
       // In-place ops may produce a broadcastable shape; anything else is a bug.
       if (r.type.element_count() == lowering::TensorType{m.element, m.dims}.element_count() || r.rank() <= static_cast<int64_t>(m.dims.size()))
