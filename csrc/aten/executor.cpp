@@ -775,6 +775,10 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   KeyBuilder kb;
   kb.allow_host = base_name(schema) == "copy";
   kb.key = op_name(schema);
+  // Global state meta kernels read: the default dtype (int / int, factories
+  // without a dtype, Python floats with integer tensors; the default complex
+  // dtype follows it).
+  kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);

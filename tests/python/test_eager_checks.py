@@ -147,3 +147,31 @@ def test_setitem_with_other_dtype_raises_as_cpu():
         return x
 
     assert_same_outcome(setitem)
+
+
+@pytest.fixture
+def default_dtype_restored():
+    previous = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(previous)
+
+
+DEFAULT_DTYPE_CASES = {
+    "int_true_divide": lambda d: idx(d, 1, 2, 7) / idx(d, 3, 4, 3),
+    "int_times_python_float": lambda d: idx(d, 1, 2) * 1.5,
+    "full_without_dtype": lambda d: torch.full((3,), 1.0 / 3, device=d),
+    "arange_float": lambda d: torch.arange(0.0, 1.0, 0.25, device=d),
+    "sum_then_true_divide": lambda d: idx(d, 1, 2, 3).sum() / 7,
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("name", list(DEFAULT_DTYPE_CASES))
+def test_cached_plans_follow_default_dtype(name, mode, default_dtype_restored):
+    fn = DEFAULT_DTYPE_CASES[name]
+    with torch_pjrt.mode(mode):
+        for dtype in (torch.float32, torch.float64, torch.float32):  # each after a cached plan of the other
+            torch.set_default_dtype(dtype)
+            expected, actual = fn("cpu"), fn(DEVICE)
+            assert actual.dtype == expected.dtype == dtype
+            torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
