@@ -261,6 +261,8 @@ MetaResult infer_meta(const Call& call) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
     r.dtypes.push_back(t.scalar_type());
     r.absent.push_back(false);
+    bool keep = !t.is_contiguous() && t.is_non_overlapping_and_dense();
+    r.strides.push_back(keep ? t.strides().vec() : std::vector<int64_t>());
   };
   if (call.returns_written) {
     for (int a : call.written) add(metas[a].toTensor());
@@ -282,6 +284,7 @@ MetaResult infer_meta(const Call& call) {
       r.outputs.push_back(OutputMeta{ElementType::F32, {}});
       r.dtypes.push_back(at::kFloat);
       r.absent.push_back(true);
+      r.strides.emplace_back();
       r.return_counts.push_back(0);
     } else {
       throw lowering::Unsupported("returns a non-tensor value");
@@ -502,6 +505,29 @@ void check_cpu_kernel_rules(const Call& call) {
   }
 }
 
+// Output layouts CPU kernels choose where the meta kernels say row-major:
+// convolutions (and their gradients) run channels_last when the input or the
+// weight is (3-d convolutions in float64 have no channels_last kernel).
+void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
+  std::string base = base_name(call.schema);
+  if (base != "convolution" && base != "convolution_backward") return;
+  auto input = call.args[*call.schema.argumentIndexWithName("input")].toTensor();
+  auto weight = call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
+  auto suggests = [&](c10::MemoryFormat f) {
+    return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
+  };
+  bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
+  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && input.scalar_type() != at::kDouble;
+  if (!cl2 && !cl3) return;
+  for (size_t i = 0; i < meta.outputs.size(); ++i) {
+    const auto& dims = meta.outputs[i].dims;
+    if (meta.absent[i] || static_cast<int64_t>(dims.size()) != input.dim()) continue;
+    std::vector<int64_t> strides = cl2 ? c10::get_channels_last_strides_2d(dims) : c10::get_channels_last_strides_3d(dims);
+    bool row_major = at::empty_strided(dims, strides, at::TensorOptions().device(at::kMeta)).is_contiguous();
+    meta.strides[i] = row_major ? std::vector<int64_t>() : strides;
+  }
+}
+
 // The functional form of an in-place or out= op (add_.Tensor, add.out ->
 // add.Tensor): the overload of the base name whose arguments are the op's
 // own minus the written out= ones. Its result dtype is what CPU computes in.
@@ -594,6 +620,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   check_cpu_kernel_rules(call);
   auto cached = std::make_shared<CachedOp>();
   cached->meta = infer_meta(call);
+  apply_cpu_layout_rules(call, cached->meta);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;
@@ -605,6 +632,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.arg = p.write ? call.written[i - first_written] : 0;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
+    if (!p.write) p.strides = meta.strides[i];
     cached->outputs.push_back(p);
   }
   cached->outputs_empty = true;
@@ -642,8 +670,11 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
                               : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
                                                   view.element, count);
       flats.push_back(graph::write_view(b, flat, r, view));
-    } else {
+    } else if (cached.outputs[i].strides.empty()) {
       flats.push_back(b.reshape(r, {r.type.element_count()}));
+    } else {  // a dense layout other than row-major: the value in memory order
+      graph::StridedView view{r.element(), m.dims, cached.outputs[i].strides, 0};
+      flats.push_back(graph::write_view(b, b.constant(0, r.element(), {view.numel()}), r, view));
     }
   }
   return flats;
@@ -977,7 +1008,8 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(call.args[p.arg].toTensor());
-    else outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+    else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+    else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }
   return outs;
 }
@@ -1032,7 +1064,7 @@ at::Tensor to_host(const at::Tensor& t) {
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && st.buffer->element_type() == e &&
                 st.buffer->element_count() == t.numel();
   if (!direct) {
-    torch::jit::Stack stack{t, c10::IValue()};
+    torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
     run_or_throw(clone, &stack);
     return to_host(stack.back().toTensor());

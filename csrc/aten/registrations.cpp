@@ -69,11 +69,14 @@ size_t bytes_needed(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offs
   return static_cast<size_t>(last + 1) * itemsize;
 }
 
-const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat>) {
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat> format) {
   for (int64_t s : size) TORCH_CHECK(s >= 0, "Trying to create tensor with negative dimension ", s, ": ", size);
+  TORCH_CHECK(format != c10::MemoryFormat::Preserve, "Unsupported memory format", *format);
   auto* impl = self.unsafeGetTensorImpl();
-  if (self.sizes().equals(size) && self.is_contiguous()) return self;
+  c10::MemoryFormat layout = format.value_or(c10::MemoryFormat::Contiguous);
+  if (self.sizes().equals(size) && self.is_contiguous(layout)) return self;
   impl->set_sizes_contiguous(size);
+  if (format) impl->empty_tensor_restride(*format);  // as the CPU's resize_: strides of the asked layout
   ensure_storage_bytes(self, bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.element_size()));
   return self;
 }
