@@ -1,6 +1,7 @@
 #include "aten/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
@@ -242,6 +243,8 @@ c10::IValue meta_value(const c10::IValue& v) {
 }
 
 
+std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas);
+
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
   torch::jit::Stack stack;
@@ -250,16 +253,22 @@ MetaResult infer_meta(const Call& call) {
     metas.push_back(meta_value(v));
     stack.push_back(metas.back());
   }
+  // Before the op's own meta kernel, whose out= cast check is laxer than CPU's.
+  std::vector<at::ScalarType> compute = written_compute_dtypes(call, metas);
   call.op.callBoxed(&stack);
   MetaResult r;
   auto add = [&](const at::Tensor& t) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
     r.dtypes.push_back(t.scalar_type());
     r.absent.push_back(false);
+    bool keep = !t.is_contiguous() && t.is_non_overlapping_and_dense();
+    r.strides.push_back(keep ? t.strides().vec() : std::vector<int64_t>());
   };
   if (call.returns_written) {
     for (int a : call.written) add(metas[a].toTensor());
     for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
+    // The lowering computes in the op's own result dtype; emit() casts to the written dtype.
+    for (size_t i = 0; i < compute.size(); ++i) r.outputs[i].element = element_or_throw(compute[i]);
     return r;
   }
   for (const auto& v : stack) {
@@ -275,6 +284,7 @@ MetaResult infer_meta(const Call& call) {
       r.outputs.push_back(OutputMeta{ElementType::F32, {}});
       r.dtypes.push_back(at::kFloat);
       r.absent.push_back(true);
+      r.strides.emplace_back();
       r.return_counts.push_back(0);
     } else {
       throw lowering::Unsupported("returns a non-tensor value");
@@ -451,10 +461,166 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   }
 }
 
+// ---- CPU checks the meta kernels miss ----------------------------------------
+
+// Memory overlap, with ATen's own rules as the CPU kernels apply them
+// (TensorIterator and the index family). tpu data pointers are storage + offset,
+// so these metadata checks see what they see on the CPU.
+void check_memory_overlap(const Call& call) {
+  // CPU writes these without an internal-overlap error (a constant, or only a deprecation warning).
+  static const std::set<std::string> internal_ok{"fill", "zero", "masked_fill", "index_fill", "index_put",
+                                                 "_index_put_impl"};
+  // CPU kernels that check no overlap between their output and inputs.
+  static const std::set<std::string> inputs_unchecked{"fill", "masked_fill", "index_fill", "masked_scatter",
+                                                      "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "sum", "mean"};
+  // The index family rejects even full aliasing (at::assert_no_overlap).
+  static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
+                                                 "scatter", "scatter_add", "scatter_reduce", "index_reduce"};
+  std::string base = base_name(call.schema);
+  for (int w : call.written) {
+    const at::Tensor& out = call.args[w].toTensor();
+    if (!internal_ok.count(base)) at::assert_no_internal_overlap(out);
+    if (inputs_unchecked.count(base)) continue;
+    for (size_t i = 0; i < call.args.size(); ++i) {
+      if (static_cast<int>(i) == w) continue;
+      map_tensors(call.args[i], [&](const at::Tensor& in) {
+        if (!in.defined() || in.device().type() != kTpu) return in;
+        if (no_aliasing.count(base)) at::assert_no_overlap(out, in);
+        else at::assert_no_partial_overlap(out, in);
+        return in;
+      });
+    }
+  }
+}
+
+// Checks CPU kernels make in their bodies, outside the meta functions.
+void check_cpu_kernel_rules(const Call& call) {
+  std::string base = base_name(call.schema);
+  if (base == "index_put" || base == "_index_put_impl") {
+    auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
+    auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
+    TORCH_CHECK(values.scalar_type() == self.scalar_type(),
+                "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
+                " for the destination and ", values.scalar_type(), " for the source.");
+  }
+}
+
+// Output layouts CPU kernels choose where the meta kernels say row-major:
+// convolutions (and their gradients) run channels_last when the input or the
+// weight is (3-d convolutions in float64 have no channels_last kernel).
+void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
+  std::string base = base_name(call.schema);
+  if (base != "convolution" && base != "convolution_backward") return;
+  auto input = call.args[*call.schema.argumentIndexWithName("input")].toTensor();
+  auto weight = call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
+  auto suggests = [&](c10::MemoryFormat f) {
+    return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
+  };
+  bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
+  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && input.scalar_type() != at::kDouble;
+  if (!cl2 && !cl3) return;
+  for (size_t i = 0; i < meta.outputs.size(); ++i) {
+    const auto& dims = meta.outputs[i].dims;
+    if (meta.absent[i] || static_cast<int64_t>(dims.size()) != input.dim()) continue;
+    std::vector<int64_t> strides = cl2 ? c10::get_channels_last_strides_2d(dims) : c10::get_channels_last_strides_3d(dims);
+    bool row_major = at::empty_strided(dims, strides, at::TensorOptions().device(at::kMeta)).is_contiguous();
+    meta.strides[i] = row_major ? std::vector<int64_t>() : strides;
+  }
+}
+
+// The functional form of an in-place or out= op (add_.Tensor, add.out ->
+// add.Tensor): the overload of the base name whose arguments are the op's
+// own minus the written out= ones. Its result dtype is what CPU computes in.
+std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& schema) {
+  static std::mutex mutex;
+  static auto& found = *new std::unordered_map<std::string, std::optional<c10::OperatorHandle>>();
+  static auto& overloads = *new std::unordered_map<std::string, std::vector<c10::OperatorName>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  std::string key = op_name(schema);
+  if (auto it = found.find(key); it != found.end()) return it->second;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  if (overloads.empty())
+    for (const c10::OperatorName& n : dispatcher.getAllOpNames()) overloads[n.name].push_back(n);
+  std::vector<const c10::Argument*> wanted;
+  for (const auto& a : schema.arguments())
+    if (!(a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite())) wanted.push_back(&a);
+  std::string name = schema.name();
+  if (name.size() > 1 && name.back() == '_') name.pop_back();
+  std::optional<c10::OperatorHandle> result;
+  for (const c10::OperatorName& n : overloads[name]) {
+    auto op = dispatcher.findOp(n);
+    if (!op || !op->hasSchema() || op_name(op->schema()) == key || !op->schema().returns().size()) continue;
+    const auto& args = op->schema().arguments();
+    bool same = args.size() == wanted.size();
+    for (size_t i = 0; same && i < args.size(); ++i)
+      same = args[i].name() == wanted[i]->name() && args[i].type()->str() == wanted[i]->type()->str() &&
+             !(args[i].alias_info() && args[i].alias_info()->isWrite());
+    if (same) {
+      result = op;
+      break;
+    }
+  }
+  found.emplace(key, result);
+  return result;
+}
+
+// CPU's decision on an op whose written tensor's dtype differs from the result
+// dtype (a cast CPU may allow or reject): the op itself on small CPU stand-ins
+// of the same shapes and dtypes. Its error is CPU's error.
+void probe_on_cpu(const Call& call) {
+  torch::jit::Stack stack;
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+    stack.push_back(map_tensors(call.args[i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu) return t;
+      auto options = t.options().device(at::kCPU);
+      return written ? at::empty(t.sizes(), options) : at::ones({}, options).expand(t.sizes());
+    }));
+  }
+  call.op.callBoxed(&stack);
+}
+
+// In-place and out= ops compute in their functional form's result dtype and
+// cast to the written tensor's dtype where CPU allows that cast. Returns the
+// compute dtype per written tensor (in call.written order).
+std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas) {
+  std::vector<at::ScalarType> out;
+  for (int w : call.written) out.push_back(metas[w].toTensor().scalar_type());
+  if (!call.returns_written) return out;
+  auto functional = functional_form(call.schema);
+  if (!functional) return out;
+  torch::jit::Stack stack;
+  const auto& args = call.schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i)
+    if (!(args[i].kwarg_only() && args[i].alias_info() && args[i].alias_info()->isWrite()))
+      stack.push_back(meta_value(call.args[i]));
+  try {
+    functional->callBoxed(&stack);
+  } catch (const c10::Error&) {
+    return out;  // no usable functional meta: the written dtype stays the compute dtype
+  }
+  if (stack.size() != out.size()) return out;
+  bool probe = false;
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (!stack[k].isTensor()) return out;
+    at::ScalarType result = stack[k].toTensor().scalar_type();
+    if (result == out[k]) continue;
+    TORCH_CHECK(c10::canCast(result, out[k]), "result type ", result, " can't be cast to the desired output type ",
+                out[k]);
+    probe = true;
+    out[k] = result;
+  }
+  if (probe) probe_on_cpu(call);
+  return out;
+}
+
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
+  check_memory_overlap(call);
+  check_cpu_kernel_rules(call);
   auto cached = std::make_shared<CachedOp>();
   cached->meta = infer_meta(call);
+  apply_cpu_layout_rules(call, cached->meta);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;
@@ -466,6 +632,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.arg = p.write ? call.written[i - first_written] : 0;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
+    if (!p.write) p.strides = meta.strides[i];
     cached->outputs.push_back(p);
   }
   cached->outputs_empty = true;
@@ -486,7 +653,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   for (size_t i = 0; i < results.size(); ++i) {
     if (cached.outputs[i].absent) continue;
     const OutputMeta& m = meta.outputs[i];
-    Value r = b.convert(results[i], m.element);
+    Value r = b.convert(b.convert(results[i], m.element), element_or_throw(cached.outputs[i].dtype));
     if (r.dims() != m.dims) {
       // In-place ops may produce a broadcastable shape; anything else is a bug.
       if (r.type.element_count() == lowering::TensorType{m.element, m.dims}.element_count() || r.rank() <= static_cast<int64_t>(m.dims.size()))
@@ -503,8 +670,11 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
                               : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
                                                   view.element, count);
       flats.push_back(graph::write_view(b, flat, r, view));
-    } else {
+    } else if (cached.outputs[i].strides.empty()) {
       flats.push_back(b.reshape(r, {r.type.element_count()}));
+    } else {  // a dense layout other than row-major: the value in memory order
+      graph::StridedView view{r.element(), m.dims, cached.outputs[i].strides, 0};
+      flats.push_back(graph::write_view(b, b.constant(0, r.element(), {view.numel()}), r, view));
     }
   }
   return flats;
@@ -636,6 +806,10 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   KeyBuilder kb;
   kb.allow_host = base_name(schema) == "copy";
   kb.key = op_name(schema);
+  // Global state meta kernels read: the default dtype (int / int, factories
+  // without a dtype, Python floats with integer tensors; the default complex
+  // dtype follows it).
+  kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
@@ -834,7 +1008,8 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(call.args[p.arg].toTensor());
-    else outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+    else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+    else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }
   return outs;
 }
@@ -889,7 +1064,7 @@ at::Tensor to_host(const at::Tensor& t) {
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && st.buffer->element_type() == e &&
                 st.buffer->element_count() == t.numel();
   if (!direct) {
-    torch::jit::Stack stack{t, c10::IValue()};
+    torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
     run_or_throw(clone, &stack);
     return to_host(stack.back().toTensor());

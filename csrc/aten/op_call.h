@@ -38,6 +38,9 @@ struct OutputPlan {
   int arg = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> dims;
+  // A new output's strides when the meta kernel gives it a dense layout other
+  // than row-major (channels_last, a preserved input layout); empty: row-major.
+  std::vector<int64_t> strides;
 };
 
 struct MetaResult {
@@ -45,6 +48,7 @@ struct MetaResult {
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
+  std::vector<std::vector<int64_t>> strides;  // per output: see OutputPlan::strides
 };
 
 struct CachedOp {

@@ -15,6 +15,7 @@
 #include "aten/device.h"
 #include "aten/executor.h"
 #include "aten/lowering.h"
+#include "aten/op_call.h"
 
 namespace torch_pjrt {
 namespace {
@@ -35,16 +36,18 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarTy
                                std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
   c10::DeviceGuard guard(tpu_device(device));
-  return at::detail::empty_generic(size, c10::GetAllocator(kTpu), kTpuKeys,
-                                   dtype.value_or(at::get_default_dtype_as_scalartype()), memory_format);
+  at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
+  element_or_throw(type);  // a dtype XLA has no type for must never hold (zero) data
+  return at::detail::empty_generic(size, c10::GetAllocator(kTpu), kTpuKeys, type, memory_format);
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
                          std::optional<at::Layout> layout, std::optional<c10::Device> device, std::optional<bool>) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
   c10::DeviceGuard guard(tpu_device(device));
-  return at::detail::empty_strided_generic(size, stride, c10::GetAllocator(kTpu), kTpuKeys,
-                                           dtype.value_or(at::get_default_dtype_as_scalartype()));
+  at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
+  element_or_throw(type);
+  return at::detail::empty_strided_generic(size, stride, c10::GetAllocator(kTpu), kTpuKeys, type);
 }
 
 // Grows a storage in place; the bytes past the old end read as zeros.
@@ -66,11 +69,14 @@ size_t bytes_needed(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offs
   return static_cast<size_t>(last + 1) * itemsize;
 }
 
-const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat>) {
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat> format) {
   for (int64_t s : size) TORCH_CHECK(s >= 0, "Trying to create tensor with negative dimension ", s, ": ", size);
+  TORCH_CHECK(format != c10::MemoryFormat::Preserve, "Unsupported memory format", *format);
   auto* impl = self.unsafeGetTensorImpl();
-  if (self.sizes().equals(size) && self.is_contiguous()) return self;
+  c10::MemoryFormat layout = format.value_or(c10::MemoryFormat::Contiguous);
+  if (self.sizes().equals(size) && self.is_contiguous(layout)) return self;
   impl->set_sizes_contiguous(size);
+  if (format) impl->empty_tensor_restride(*format);  // as the CPU's resize_: strides of the asked layout
   ensure_storage_bytes(self, bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.element_size()));
   return self;
 }

@@ -73,6 +73,22 @@ Value element_indices(Builder& b, const StridedView& view) {
   return b.reshape(index, with_vector);
 }
 
+// For a view that is a dense block in some dim order (channels_last, a
+// transpose): every dim, size-1 dims first, then outermost to innermost.
+std::optional<Dims> dense_order(const StridedView& view) {
+  Dims ones, kept;
+  for (int64_t d = 0; d < static_cast<int64_t>(view.sizes.size()); ++d)
+    (view.sizes[d] == 1 ? ones : kept).push_back(d);
+  std::stable_sort(kept.begin(), kept.end(), [&](int64_t x, int64_t y) { return view.strides[x] > view.strides[y]; });
+  int64_t expected = 1;
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
+    if (view.strides[*it] != expected) return std::nullopt;
+    expected *= view.sizes[*it];
+  }
+  ones.insert(ones.end(), kept.begin(), kept.end());
+  return ones;
+}
+
 }  // namespace
 
 Value storage_as(Builder& b, const std::optional<Value>& buffer, ElementType element, int64_t count) {
@@ -147,6 +163,11 @@ Value write_view(Builder& b, const Value& flat, const Value& value, const Stride
   if (n == 0) return flat;
   if (view.is_dense_row_major()) {
     Value dense = b.reshape(value, {n});
+    if (view.offset == 0 && n == count) return dense;
+    return b.dynamic_update_slice(flat, dense, {b.constant_int(view.offset, ElementType::S64)});
+  }
+  if (auto order = dense_order(view)) {  // a permuted dense block: transpose into memory order
+    Value dense = b.reshape(b.transpose(value, *order), {n});
     if (view.offset == 0 && n == count) return dense;
     return b.dynamic_update_slice(flat, dense, {b.constant_int(view.offset, ElementType::S64)});
   }

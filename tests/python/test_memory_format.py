@@ -1,0 +1,126 @@
+"""Memory formats on tpu follow the CPU: results keep the strides CPU gives
+them (channels_last, channels_last_3d, preserved layouts) and the values stay
+right, in strict and fused mode."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_pjrt
+
+DEVICE = "tpu"
+CL = torch.channels_last
+CL3 = torch.channels_last_3d
+
+
+@pytest.fixture(params=["strict", "fused"])
+def mode(request):
+    with torch_pjrt.mode(request.param):
+        yield request.param
+
+
+def assert_same(expected, actual):
+    """Same values, strides and memory-format flags as the CPU result."""
+    assert actual.device.type == DEVICE
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} on tpu, {expected.stride()} on cpu"
+    for fmt in (CL, CL3) if expected.dim() in (4, 5) else ():
+        if (fmt == CL) == (expected.dim() == 4):
+            assert actual.is_contiguous(memory_format=fmt) == expected.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def on_both(fn, *inputs):
+    """fn on CPU inputs and on tpu copies that keep the inputs' strides."""
+    expected = fn(*[x.clone() for x in inputs])
+    actual = fn(*[x.to(DEVICE) for x in inputs])
+    pairs = zip(expected, actual) if isinstance(expected, tuple) else [(expected, actual)]
+    for e, a in pairs:
+        assert_same(e, a)
+
+
+def nchw(*shape, fmt=CL):
+    torch.manual_seed(sum(shape))
+    return torch.randn(*shape).contiguous(memory_format=fmt)
+
+
+CASES = {
+    "contiguous_cl": lambda x: x.contiguous().contiguous(memory_format=CL if x.dim() == 4 else CL3),
+    "contiguous_back": lambda x: x.contiguous(),
+    "clone_preserve": lambda x: x.clone(),
+    "clone_contiguous": lambda x: x.clone(memory_format=torch.contiguous_format),
+    "add_scalar": lambda x: x + 1,
+    "mul_tensor": lambda x: x * x,
+    "mixed_layouts": lambda x: x + x.contiguous(),
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "neg_then_exp": lambda x: x.neg().exp(),
+    "where": lambda x: torch.where(x > 0, x, x * 0.1),
+    "to_double": lambda x: x.to(torch.float64),
+    "in_place_add": lambda x: x.add_(1),
+    "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+    "sum_channels": lambda x: x.sum(1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("rank", [4, 5])
+@pytest.mark.parametrize("name", list(CASES))
+def test_ops_keep_cpu_layout(name, rank, mode):
+    x = nchw(2, 3, 4, 5) if rank == 4 else nchw(2, 3, 4, 5, 3, fmt=CL3)
+    on_both(CASES[name], x)
+
+
+@pytest.mark.parametrize("rank", [4, 5])
+def test_convolution_output_layout(rank, mode):
+    if rank == 4:
+        x, w = nchw(2, 3, 6, 5), torch.randn(4, 3, 3, 3)
+        on_both(lambda x, w: F.conv2d(x, w, padding=1), x, w)
+        on_both(lambda x, w: F.conv2d(x, w, stride=2), x.contiguous(), w.contiguous(memory_format=CL))
+    else:
+        x, w = nchw(2, 3, 4, 5, 4, fmt=CL3), torch.randn(4, 3, 3, 3, 3)
+        on_both(lambda x, w: F.conv3d(x, w, padding=1), x, w)
+        on_both(lambda x, w: F.conv3d(x, w, padding=1), x.double(), w.double())
+
+
+def test_plain_convolution_stays_row_major(mode):
+    on_both(lambda x, w: F.conv2d(x, w), torch.randn(2, 3, 6, 5), torch.randn(4, 3, 3, 3))
+
+
+def test_factories_honor_memory_format(mode):
+    for fmt, shape in ((CL, (2, 3, 4, 5)), (CL3, (2, 3, 4, 5, 6))):
+        expected = torch.empty(*shape, memory_format=fmt)
+        actual = torch.empty(*shape, memory_format=fmt, device=DEVICE)
+        assert actual.stride() == expected.stride()
+        like = torch.empty_like(actual)
+        assert like.stride() == torch.empty_like(expected).stride()
+        assert torch.zeros_like(actual).stride() == torch.zeros_like(expected).stride()
+        resized = torch.empty(0, device=DEVICE).resize_(*shape, memory_format=fmt)
+        assert resized.stride() == torch.empty(0).resize_(*shape, memory_format=fmt).stride()
+        # written through the layout, read back in logical order
+        source = torch.randn(*shape)
+        actual.copy_(source.to(DEVICE))
+        torch.testing.assert_close(actual.cpu(), source)
+
+
+def test_resize_back_to_contiguous(mode):
+    t = torch.empty(2, 3, 4, 5, device=DEVICE, memory_format=CL)
+    t.resize_(2, 3, 4, 5)
+    assert t.is_contiguous()
+
+
+def test_conv_batch_norm_autograd_channels_last(mode):
+    torch.manual_seed(0)
+    x0 = nchw(2, 3, 6, 5)
+    w0 = torch.randn(4, 3, 3, 3)
+
+    def run(device):
+        x = x0.clone().to(device).requires_grad_()
+        w = w0.clone().to(device).requires_grad_()
+        scale = torch.ones(4, device=device).requires_grad_()
+        y = F.conv2d(x, w, padding=1)
+        z = F.batch_norm(y, None, None, weight=scale, training=True)
+        out = torch.relu(z)
+        weights = torch.arange(out.numel(), device=device, dtype=out.dtype).view(out.shape) / out.numel()
+        (out * weights).sum().backward()
+        return y, z, out, x.grad, w.grad, scale.grad
+
+    for e, a in zip(run("cpu"), run(DEVICE)):
+        assert_same(e, a)
