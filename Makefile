@@ -2,9 +2,10 @@ PY ?= python3
 BUILD ?= build
 
 # Everything a fresh machine needs: the CPU torch wheel (never another torch),
-# the CPU PJRT plugin and its header, test tools, a compiler cache.
+# the CPU PJRT plugin and its header, test tools (transformers: tiny random-init
+# models in the tests, nothing downloaded), a compiler cache.
 deps:
-	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest expecttest hypothesis
+	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
 	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
 	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \
