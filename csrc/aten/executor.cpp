@@ -352,9 +352,9 @@ class CallContext final : public lowering::Context {
       Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
       v = graph::read_view(b, flat, view);
     } else {
-      v = b.parameter(lowering::TensorType{element_or_throw(t.scalar_type()),
-                                           lowering::Dims(t.sizes().begin(), t.sizes().end())});
-      operands.push_back(OperandRef{OperandRef::Host, arg, item});
+      v = operand_param(lowering::TensorType{element_or_throw(t.scalar_type()),
+                                             lowering::Dims(t.sizes().begin(), t.sizes().end())},
+                        OperandRef{OperandRef::Host, arg, item});
     }
     values_.emplace(key, v);
     return v;
@@ -380,9 +380,7 @@ class CallContext final : public lowering::Context {
   }
 
   Value scalar(std::string_view name, ElementType as) override {
-    int i = index(name);
-    operands.push_back(OperandRef{OperandRef::Scalar, i, -1, as});
-    return b.parameter(lowering::TensorType{as, {}});
+    return operand_param(lowering::TensorType{as, {}}, OperandRef{OperandRef::Scalar, index(name), -1, as});
   }
   ElementType scalar_kind(std::string_view name) const override {
     const auto& v = arg(name);
@@ -428,12 +426,33 @@ class CallContext final : public lowering::Context {
 
   Value rng_state(int64_t count) override {
     auto i = call_.schema.argumentIndexWithName("generator");
-    operands.push_back(OperandRef{OperandRef::Rng, i ? static_cast<int>(*i) : -1, -1, ElementType::U64,
-                                  static_cast<uint64_t>(count)});
-    return b.parameter(lowering::TensorType{ElementType::U64, {2}});
+    return operand_param(lowering::TensorType{ElementType::U64, {2}},
+                         OperandRef{OperandRef::Rng, i ? static_cast<int>(*i) : -1, -1, ElementType::U64,
+                                    static_cast<uint64_t>(count)});
   }
 
  private:
+  // A parameter for an operand that is not a storage. In a fused graph the
+  // same buffer (a cached Scalar such as alpha=1) is one parameter however
+  // many ops use it: thousands of duplicate parameters made XLA's compile
+  // time grow quadratically with the op count.
+  Value operand_param(const lowering::TensorType& type, const OperandRef& ref) {
+    operands.push_back(ref);
+    if (!graph_ || !graph_->operand_ids) return b.parameter(type);
+    if (graph_->next_operand >= graph_->operand_ids->size())
+      throw lowering::Unsupported("internal: the op asks for more operands than it recorded");
+    int id = (*graph_->operand_ids)[graph_->next_operand++];
+    auto it = graph_->params.find(id);
+    if (it != graph_->params.end()) {
+      if (!(it->second.type == type))
+        throw lowering::Unsupported("internal: a shared operand is " + it->second.type.str() + ", not " + type.str());
+      return it->second;
+    }
+    Value p = b.parameter(type);
+    graph_->params.emplace(id, p);
+    return p;
+  }
+
   Call& call_;
   const MetaResult& meta_;
   bool bake_;
