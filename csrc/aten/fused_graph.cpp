@@ -221,7 +221,7 @@ std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
     GraphValues values;
     bool compiles = true;
     try {
-      client().compile(b.finish(emit_ops(g, b, values, mid)), {}, g.device);
+      client().compile(b.finish(emit_ops(g, b, values, mid)), compile_cache().options(graph::Effort::Full), g.device);
     } catch (const std::exception&) {
       compiles = false;
     }
