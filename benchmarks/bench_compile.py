@@ -2,7 +2,8 @@
 
 1. ops per graph against compile seconds, our own lowering seconds and peak
    memory (RSS of a fresh process per size) for a chain of `x = x + 1` on a
-   4-element tensor, lazy mode (one graph whatever its length);
+   4-element tensor, lazy mode (one graph whatever its length), then a long
+   chain in fused mode (cut into graphs by TORCH_PJRT_FUSION_LIMIT);
 2. a Python loop over 1024 row slices (`x[i] += 1`), lazy and fused mode;
 3. small programs: strict single-op programs (an MLP forward and backward)
    and the same model as one fused graph, compile seconds per program and
@@ -91,12 +92,14 @@ def row(name, r):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="100,500,1000,2000,5000,20000")
+    parser.add_argument("--sizes", default="100,500,1000,2000,5000")
+    parser.add_argument("--long", type=int, default=20000, help="a chain cut by the fusion limit (fused mode)")
     parser.add_argument("--rows", type=int, default=1024)
     args = parser.parse_args()
     print(f"{'case':<34} {'graphs':>6} {'compile_s':>9} {'lower_s':>9} {'total_s':>8} {'rss_MB':>8}")
     for n in [int(s) for s in args.sizes.split(",")]:
         print(row(f"chain of {n} ops (lazy)", run(CHAIN, "lazy", n)), flush=True)
+    print(row(f"chain of {args.long} ops (fused)", run(CHAIN, "fused", args.long)), flush=True)
     for mode in ("lazy", "fused"):
         print(row(f"{args.rows} row slices x[i] += 1 ({mode})", run(ROWS, mode, args.rows)), flush=True)
     print()

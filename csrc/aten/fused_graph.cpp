@@ -284,7 +284,7 @@ void explain_recompile(const PendingGraph& g) {
     if (k < keys.size() && k < last_keys.size()) {
       reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
                last_descriptions[k];
-      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing or tensor flow differ)";
+      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
     } else if (keys.size() != last_keys.size()) {
       reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
                std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
