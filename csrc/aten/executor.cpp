@@ -362,9 +362,9 @@ class CallContext final : public lowering::Context {
       Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
       v = graph::read_view(b, flat, view);
     } else {
-      v = b.parameter(lowering::TensorType{element_or_throw(t.scalar_type()),
-                                           lowering::Dims(t.sizes().begin(), t.sizes().end())});
-      operands.push_back(OperandRef{OperandRef::Host, arg, item});
+      v = operand_param(lowering::TensorType{element_or_throw(t.scalar_type()),
+                                             lowering::Dims(t.sizes().begin(), t.sizes().end())},
+                        OperandRef{OperandRef::Host, arg, item});
     }
     values_.emplace(key, v);
     return v;
@@ -390,9 +390,7 @@ class CallContext final : public lowering::Context {
   }
 
   Value scalar(std::string_view name, ElementType as) override {
-    int i = index(name);
-    operands.push_back(OperandRef{OperandRef::Scalar, i, -1, as});
-    return b.parameter(lowering::TensorType{as, {}});
+    return operand_param(lowering::TensorType{as, {}}, OperandRef{OperandRef::Scalar, index(name), -1, as});
   }
   ElementType scalar_kind(std::string_view name) const override {
     const auto& v = arg(name);
@@ -438,12 +436,33 @@ class CallContext final : public lowering::Context {
 
   Value rng_state(int64_t count) override {
     auto i = call_.schema.argumentIndexWithName("generator");
-    operands.push_back(OperandRef{OperandRef::Rng, i ? static_cast<int>(*i) : -1, -1, ElementType::U64,
-                                  static_cast<uint64_t>(count)});
-    return b.parameter(lowering::TensorType{ElementType::U64, {2}});
+    return operand_param(lowering::TensorType{ElementType::U64, {2}},
+                         OperandRef{OperandRef::Rng, i ? static_cast<int>(*i) : -1, -1, ElementType::U64,
+                                    static_cast<uint64_t>(count)});
   }
 
  private:
+  // A parameter for an operand that is not a storage. In a fused graph the
+  // same buffer (a cached Scalar such as alpha=1) is one parameter however
+  // many ops use it: thousands of duplicate parameters made XLA's compile
+  // time grow quadratically with the op count.
+  Value operand_param(const lowering::TensorType& type, const OperandRef& ref) {
+    operands.push_back(ref);
+    if (!graph_ || !graph_->operand_ids) return b.parameter(type);
+    if (graph_->next_operand >= graph_->operand_ids->size())
+      throw lowering::Unsupported("internal: the op asks for more operands than it recorded");
+    int id = (*graph_->operand_ids)[graph_->next_operand++];
+    auto it = graph_->params.find(id);
+    if (it != graph_->params.end()) {
+      if (!(it->second.type == type))
+        throw lowering::Unsupported("internal: a shared operand is " + it->second.type.str() + ", not " + type.str());
+      return it->second;
+    }
+    Value p = b.parameter(type);
+    graph_->params.emplace(id, p);
+    return p;
+  }
+
   Call& call_;
   const MetaResult& meta_;
   bool bake_;
@@ -687,7 +706,15 @@ void compile_alone(Call& call, CachedOp& cached) {
   std::vector<Value> flats = emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
   cached.operands_known = true;
-  cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device);
+  // Small programs compile at a lower optimization level: 2-3x faster to
+  // compile, and a kernel over at most this many elements runs microseconds
+  // longer (benchmarks/bench_compile.py).
+  constexpr int64_t kQuickElements = int64_t{1} << 16;
+  int64_t largest = 0;
+  for (const lowering::TensorType& t : b.parameters()) largest = std::max(largest, t.element_count());
+  for (const Value& v : flats) largest = std::max(largest, v.type.element_count());
+  auto effort = largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
+  cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device, effort);
 }
 
 // Fused modes: learns the op's operand order without compiling anything.
@@ -780,9 +807,31 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const
   at::native::cpu_fallback(op, stack);
 }
 
+// `copy_` of a view onto the very same view (`x[i] += 1` assigns x[i] back
+// to itself) changes nothing: PyTorch's copy_ returns early there too. Running
+// it would cost a whole-storage update per row in a fused graph.
+bool is_self_copy(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  if (schema.name() != "aten::copy_") return false;
+  const c10::IValue& dst = stack[stack.size() - 3];
+  const c10::IValue& src = stack[stack.size() - 2];
+  if (!dst.isTensor() || !src.isTensor()) return false;
+  const at::Tensor& d = dst.toTensor();
+  const at::Tensor& s = src.toTensor();
+  return d.defined() && s.defined() && d.device() == s.device() && d.device().type() == kTpu &&
+         d.is_alias_of(s) && d.scalar_type() == s.scalar_type() && d.sizes().equals(s.sizes()) &&
+         d.strides().equals(s.strides()) && d.storage_offset() == s.storage_offset() && d.is_conj() == s.is_conj() &&
+         d.is_neg() == s.is_neg();
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
+  if (is_self_copy(schema, *stack)) {
+    at::Tensor self = (*stack)[stack->size() - 3].toTensor();
+    torch::jit::drop(*stack, 3);
+    stack->push_back(self);
+    return true;
+  }
   const lowering::LoweringEntry* entry = lowering::find_lowering(base_name(schema));
   if (!entry) {
     *why = "no lowering";

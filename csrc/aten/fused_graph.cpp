@@ -39,6 +39,7 @@ struct RecordedOp {
   bool returns_written;
   std::vector<const StorageState*> new_storages;  // per new (non-written) output
   graph::SourceLocation location;                 // the user's line that recorded it
+  std::vector<int> operand_ids;                   // graph operand index of each non-storage operand
 };
 
 struct PendingGraph {
@@ -47,6 +48,7 @@ struct PendingGraph {
   std::vector<RecordedOp> ops;
   std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
   std::vector<int> operand_storage;       // per operand: the storage id it is the buffer of, or -1
+  std::unordered_map<const pjrt::Buffer*, int> operand_of_buffer;  // non-storage operands, each buffer once
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
   std::vector<char> written, has_value;
@@ -130,10 +132,21 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   if (g.device >= 0 && g.device != call.device) run_graph(g);
   g.device = call.device;
   // Operands in the order the op's lowering asks for them (see emit()).
+  // A buffer that is not a storage (a cached Scalar) is one operand however
+  // often it recurs; the key says which operand each op uses, so graphs
+  // that share operands differently never share a program.
+  std::vector<int> operand_ids;
+  std::string operand_key;
   for (const OperandRef& ref : cached->operands) {
     if (ref.kind != OperandRef::Storage) {
-      g.operands.push_back(operand_buffer(call, ref));
-      g.operand_storage.push_back(-1);
+      pjrt::BufferPtr buffer = operand_buffer(call, ref);
+      auto [it, fresh] = g.operand_of_buffer.emplace(buffer.get(), static_cast<int>(g.operands.size()));
+      if (fresh) {
+        g.operands.push_back(std::move(buffer));
+        g.operand_storage.push_back(-1);
+      }
+      operand_ids.push_back(it->second);
+      operand_key += 'p' + std::to_string(it->second) + ',';
       continue;
     }
     const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
@@ -145,8 +158,10 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operands.push_back(st.buffer);
     g.operand_storage.push_back(id);
   }
-  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location};
+  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
+                 std::move(operand_ids)};
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
+  rec.key += operand_key;
   g.key += rec.key;
   std::vector<at::Tensor> outs = output_tensors(call, *cached);
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -178,6 +193,8 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     RecordedOp& rec = g.ops[k];
     Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
     std::vector<Value> flats;
+    values.operand_ids = &rec.operand_ids;
+    values.next_operand = 0;
     try {
       flats = emit_op(b, call, *rec.cached, &values);
     } catch (const std::exception& e) {
@@ -191,6 +208,7 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     }
     produced.insert(produced.end(), flats.begin(), flats.end());
   }
+  values.operand_ids = nullptr;
   return produced;
 }
 
@@ -205,7 +223,7 @@ std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
     GraphValues values;
     bool compiles = true;
     try {
-      client().compile(b.finish(emit_ops(g, b, values, mid)), {}, g.device);
+      client().compile(b.finish(emit_ops(g, b, values, mid)), compile_cache().options(graph::Effort::Full), g.device);
     } catch (const std::exception&) {
       compiles = false;
     }
@@ -268,7 +286,7 @@ void explain_recompile(const PendingGraph& g) {
     if (k < keys.size() && k < last_keys.size()) {
       reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
                last_descriptions[k];
-      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing or tensor flow differ)";
+      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
     } else if (keys.size() != last_keys.size()) {
       reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
                std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
@@ -289,6 +307,7 @@ void clear_graph(PendingGraph& g) {
   g.ops.clear();
   g.operands.clear();
   g.operand_storage.clear();
+  g.operand_of_buffer.clear();
   g.storages.clear();
   g.ids.clear();
   g.written.clear();

@@ -80,6 +80,13 @@ struct GraphValues {
   std::unordered_map<const StorageState*, Value> values;
   // Storages the graph reads before writing: their buffer's type when recorded.
   std::unordered_map<const StorageState*, lowering::TensorType> inputs;
+  // Operands that are not storages (Scalars, CPU tensors, RNG states): the
+  // graph passes each distinct buffer once. `operand_ids` lists, per such
+  // operand of the op being emitted, its graph operand index; `params` holds
+  // the parameter made for each index so far.
+  const std::vector<int>* operand_ids = nullptr;
+  size_t next_operand = 0;
+  std::unordered_map<int, Value> params;
 };
 
 // `v` with `fn` applied to every tensor in it (a Tensor, Tensor[] or Tensor?[]).

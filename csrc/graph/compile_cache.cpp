@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <fstream>
 
 #include "pjrt/error.h"
@@ -32,11 +33,31 @@ void dump_program(const std::string& program) {
 
 }  // namespace
 
-pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, size_t device_index) {
+// XLA CPU options, measured on the CPU plugin (benchmarks/bench_compile.py):
+// - the MLIR fusion emitters build an MLIR context per kernel; the older
+//   LLVM emitters compile a graph of many in-place row updates 4x faster and
+//   run as fast;
+// - optimization level 0 compiles a small program 2-3x faster but runs large
+//   elementwise kernels up to 10x slower, so only Quick programs use it.
+// Other plugins keep their defaults. TORCH_PJRT_XLA_TUNING=0 turns this off.
+pjrt::CompileOptions CompileCache::options(Effort effort) const {
+  pjrt::CompileOptions options;
+  static const bool tuning = [] {
+    const char* env = std::getenv("TORCH_PJRT_XLA_TUNING");
+    return !env || std::string(env) != "0";
+  }();
+  if (!tuning || client_->platform_name() != "cpu") return options;
+  options.overrides.emplace_back("xla_cpu_use_fusion_emitters", false);
+  if (effort == Effort::Quick) options.overrides.emplace_back("xla_backend_optimization_level", int64_t{0});
+  return options;
+}
+
+pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, size_t device_index, Effort effort) {
   // The serialized compile options are part of the key: the same program
-  // built for other replicas or partitions is another executable.
-  static const std::string options = pjrt::CompileOptions{}.serialize();
-  std::string key = std::to_string(device_index) + "\n" + options + "\n" + program;
+  // built for other replicas or partitions, or optimized less, is another
+  // executable.
+  pjrt::CompileOptions compile_options = options(effort);
+  std::string key = std::to_string(device_index) + "\n" + compile_options.serialize() + "\n" + program;
   auto it = entries_.find(key);
   if (it != entries_.end()) {
     ++metrics().compile_cache_hits;
@@ -58,7 +79,7 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
   if (!exe) {
     dump_program(program);
     auto start = std::chrono::steady_clock::now();
-    exe = client_->compile(program, {}, device_index);
+    exe = client_->compile(program, compile_options, device_index);
     std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     ++metrics().compiles;
     metrics().compile_seconds += took.count();

@@ -11,11 +11,18 @@
 
 namespace torch_pjrt::graph {
 
+// How hard XLA optimizes a program. Quick: a small single-op program (strict
+// and debug modes), where compile time dominates and a lower optimization
+// level costs microseconds per run.
+enum class Effort { Full, Quick };
+
 class CompileCache {
  public:
   explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr)
       : client_(std::move(client)), disk_(std::move(disk)) {}
-  pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index);
+  pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
+  // The options a program of `effort` is compiled with (part of the cache key).
+  pjrt::CompileOptions options(Effort effort) const;
   size_t size() const { return entries_.size(); }
   void clear() { entries_.clear(); }
 

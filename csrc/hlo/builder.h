@@ -112,6 +112,7 @@ class Builder {
   // `aliases` maps a parameter index to the result that may reuse its buffer
   // (a donated input: an in-place update that does not double memory).
   std::string finish(const std::vector<Value>& results, const std::map<int, int>& aliases = {}) const;
+  const std::vector<TensorType>& parameters() const { return params_; }
 
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,

@@ -43,6 +43,17 @@ std::string CompileOptions::serialize() const {
   }
   std::string options;  // CompileOptionsProto.executable_build_options = 3
   put_bytes_field(options, 3, build);
+  // env_option_overrides = 7: map<string, OptionOverrideProto>, each entry a
+  // message {key = 1, value = 2}; OptionOverrideProto: bool_field = 2, int_field = 3.
+  for (const auto& [name, value] : overrides) {
+    std::string override_value;
+    if (std::holds_alternative<bool>(value)) put_int_field(override_value, 2, std::get<bool>(value));
+    else put_int_field(override_value, 3, std::get<int64_t>(value));
+    std::string entry;
+    put_bytes_field(entry, 1, name);
+    put_bytes_field(entry, 2, override_value);
+    put_bytes_field(options, 7, entry);
+  }
   return options;
 }
 

@@ -228,3 +228,23 @@ TEST(CompileCache, EvictsLeastRecentlyUsed) {
   EXPECT_TRUE(disk.load("d"));
   fs::remove_all(dir);
 }
+
+// The plugin receives and applies DebugOptions overrides by name: a known
+// field compiles and runs the same, an unknown one is rejected by the plugin.
+TEST(Runtime, CompileOptionOverridesReachThePlugin) {
+  hlo::Builder b;
+  auto x = b.parameter({ElementType::F32, {4}});
+  auto y = b.binary("multiply", x, x);
+  std::string program = b.finish({y});
+  std::vector<float> xs{1, 2, 3, 4};
+  auto bx = client()->buffer_from_host(xs.data(), ElementType::F32, {4});
+  pjrt::CompileOptions quick;
+  quick.overrides.emplace_back("xla_cpu_use_fusion_emitters", false);
+  quick.overrides.emplace_back("xla_backend_optimization_level", int64_t{0});
+  auto result = client()->compile(program, quick)->execute({bx.get()});
+  result.done->wait();
+  EXPECT_EQ(read<float>(*result.outputs[0]), (std::vector<float>{1, 4, 9, 16}));
+  pjrt::CompileOptions unknown;
+  unknown.overrides.emplace_back("xla_no_such_option_for_torch_pjrt", true);
+  EXPECT_THROW(client()->compile(program, unknown), pjrt::Error);
+}
