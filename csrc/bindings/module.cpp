@@ -19,6 +19,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const c10::IndexError& e) {  // a failed index check raised at synchronize()
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
     } catch (const c10::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     } catch (const torch_pjrt::pjrt::Error& e) {

@@ -22,9 +22,15 @@ void check_dim_index(Context& c, const Value& index, const Value& x, int64_t dim
   int64_t size = x.rank() == 0 ? 1 : x.dims()[dim];
   check_in_range(c, index, size, false, CheckError::Runtime, out_of_bounds(dim, size));
 }
-// index_select (embedding) and index_reduce: the CPU raises IndexError.
+// index_select (embedding) and index_reduce: the CPU raises IndexError, but
+// RuntimeError from its own kernel for index_select along dim 1.
 void check_select_index(Context& c, const Value& index, int64_t size, int64_t dim) {
   check_in_range(c, index, size, false, CheckError::Index, "index out of range in self (" + out_of_bounds(dim, size) + ")");
+}
+void check_index_select(Context& c, const Value& index, const Value& x, int64_t dim) {
+  if (x.rank() < 2 || dim != 1) return check_select_index(c, index, x.rank() == 0 ? 1 : x.dims()[dim], dim);
+  check_in_range(c, index, x.dims()[1], false, CheckError::Runtime,
+                 "INDICES element is out of DATA bounds, id={} axis_dim=" + std::to_string(x.dims()[1]));
 }
 
 // Negative indices count from the end, as in Python.
@@ -152,7 +158,7 @@ std::vector<Value> lower_index_select(Context& c) {
   Value x = c.tensor("self");
   Value index = c.tensor("index");
   int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
-  check_select_index(c, index, x.rank() == 0 ? 1 : x.dims()[dim], dim);
+  check_index_select(c, index, x, dim);
   if (x.rank() == 0) return {x};
   int64_t n = index.type.element_count();
   index = as_index(c.b, c.b.reshape(index, {n}));
