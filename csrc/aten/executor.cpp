@@ -511,9 +511,9 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   return flats;
 }
 std::string g_compile_fault_op;
-CheckInfos check_infos_of(const std::vector<lowering::RuntimeCheck>& checks) {
+CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeCheck>& checks) {
   auto infos = std::make_shared<std::vector<CheckInfo>>();
-  add_check_infos(*infos, checks, 0);
+  add_check_infos(*infos, checks, describe_call(call.schema, call.args), 0);
   return infos;
 }
 // Strict and debug modes: the op as a program of its own.
@@ -525,7 +525,7 @@ void compile_alone(Call& call, CachedOp& cached) {
   cached.operands_known = true;
   if (!ctx.checks.empty()) {
     flats.push_back(lowering::check_status(b, ctx.checks));
-    cached.checks = check_infos_of(ctx.checks);
+    cached.checks = check_infos_of(call, ctx.checks);
   }
   cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device);
 }
@@ -536,7 +536,7 @@ void learn_operands(Call& call, CachedOp& cached) {
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
   emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
-  if (!ctx.checks.empty()) cached.checks = check_infos_of(ctx.checks);
+  if (!ctx.checks.empty()) cached.checks = check_infos_of(call, ctx.checks);
   cached.operands_known = true;
 }
 
@@ -576,10 +576,7 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
     st.buffer = result.outputs[produced++];
     st.lost.reset();
   }
-  if (cached.checks) {
-    defer_checks(result.outputs.back(), cached.checks,
-                 {CheckedOp{describe_call(call.schema, call.args), graph::capture_source_location()}});
-  }
+  if (cached.checks) defer_checks(result.outputs.back(), cached.checks, {graph::capture_source_location()});
   track(std::move(result.done));
   if (mode() == Mode::Debug) raise_failed_checks();  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);

@@ -194,7 +194,7 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
       throw OpFailure(k, e.what());
     }
     if (checks && !op_checks.empty()) {
-      add_check_infos(checks->infos, op_checks, checks->ops.size());
+      add_check_infos(checks->infos, op_checks, describe_call(rec.op.schema(), rec.args), checks->ops.size());
       checks->ops.push_back(k);
       checks->checks.insert(checks->checks.end(), op_checks.begin(), op_checks.end());
     }
@@ -377,9 +377,9 @@ void run_graph(PendingGraph& g) {
     auto result = compiled->exe->execute(buffers);
     for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
     if (compiled->checks) {
-      std::vector<CheckedOp> checked;
-      for (size_t k : compiled->checked_ops) checked.push_back(CheckedOp{describe(g.ops[k]), g.ops[k].location});
-      defer_checks(result.outputs[live.size()], compiled->checks, std::move(checked));
+      std::vector<graph::SourceLocation> locations;
+      for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
+      defer_checks(result.outputs[live.size()], compiled->checks, std::move(locations));
     }
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;

@@ -12,7 +12,7 @@ namespace {
 struct PendingStatus {
   pjrt::BufferPtr status;
   CheckInfos checks;
-  std::vector<CheckedOp> ops;
+  std::vector<graph::SourceLocation> locations;
 };
 
 std::mutex g_mutex;
@@ -30,15 +30,16 @@ std::string with_value(std::string message, int64_t bad) {
 
 }  // namespace
 
-void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks, size_t op) {
-  for (const auto& c : checks) into.push_back(CheckInfo{c.error, c.message, op});
+void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks,
+                     const std::string& op, size_t checked_op) {
+  for (const auto& c : checks) into.push_back(CheckInfo{c.error, c.message, op, checked_op});
 }
 
-void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<CheckedOp> ops) {
+void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations) {
   bool full;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_pending.push_back(PendingStatus{std::move(status), std::move(checks), std::move(ops)});
+    g_pending.push_back(PendingStatus{std::move(status), std::move(checks), std::move(locations)});
     full = g_pending.size() >= kMaxPending;
   }
   if (full) raise_failed_checks();
@@ -68,9 +69,9 @@ void raise_failed_checks() {
   }
   if (!failed) return;
   const CheckInfo& info = failed->checks->at(static_cast<size_t>(first[0]));
-  const CheckedOp& op = failed->ops.at(info.op);
-  std::string message = c10::str(with_value(info.message, first[1]), " (in ", op.description, ", recorded at ",
-                                 graph::describe_source_location(op.location),
+  graph::SourceLocation location = failed->locations.at(info.checked_op);
+  std::string message = c10::str(with_value(info.message, first[1]), " (in ", info.op, ", recorded at ",
+                                 graph::describe_source_location(location),
                                  "; found by a check on the device, raised at the next host wait)");
   if (info.error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
   TORCH_CHECK(false, message);

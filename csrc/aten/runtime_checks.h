@@ -16,24 +16,23 @@
 
 namespace torch_pjrt {
 
+// One check of a compiled program. Everything but the user's line follows
+// from the program's ops' signatures, so it is made once per program.
 struct CheckInfo {
   lowering::CheckError error;
   std::string message;  // "{}" stands for the bad value
-  size_t op = 0;        // which checked op of the program declared it
+  std::string op;       // "aten::index.Tensor(Float[5], Long[2])"
+  size_t checked_op = 0;  // which of the program's ops with checks declared it
 };
 using CheckInfos = std::shared_ptr<const std::vector<CheckInfo>>;
 
-// Appends the checks one op declared, as its `op`-th checked op.
-void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks, size_t op);
+// Appends the checks that op `op` (the program's `checked_op`-th op with checks) declared.
+void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks,
+                     const std::string& op, size_t checked_op);
 
-// What the error names for a checked op: "aten::index.Tensor(Float[5], Long[2])" and the user's line.
-struct CheckedOp {
-  std::string description;
-  graph::SourceLocation location = 0;
-};
-
-// Keeps a program's status until the next wait. `ops` is indexed by CheckInfo::op.
-void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<CheckedOp> ops);
+// Keeps a program's status until the next wait, with the user's line of each
+// of its ops with checks (indexed by CheckInfo::checked_op).
+void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations);
 
 // At a host wait: reads every pending status (their programs ran before this
 // wait) and raises the first failure as the CPU would (IndexError or
