@@ -4,6 +4,7 @@
 
 #include <mutex>
 
+#include "graph/metrics.h"
 #include "pjrt/error.h"
 
 namespace torch_pjrt {
@@ -56,6 +57,7 @@ void raise_failed_checks() {
   int64_t first[2] = {-1, 0};
   for (const PendingStatus& p : pending) {
     int64_t status[2] = {-1, 0};
+    ++graph::metrics().check_status_reads;
     try {
       p.status->to_host(status);
     } catch (const pjrt::Error&) {

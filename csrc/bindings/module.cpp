@@ -102,6 +102,7 @@ PYBIND11_MODULE(_C, m) {
     d["graphs"] = s.graphs;
     d["graph_cache_hits"] = s.graph_cache_hits;
     d["donated_buffers"] = s.donated_buffers;
+    d["check_status_reads"] = s.check_status_reads;
     d["donated_bytes"] = s.donated_bytes;
     d["host_to_device_bytes"] = s.host_to_device_bytes;
     d["device_to_host_bytes"] = s.device_to_host_bytes;

@@ -220,3 +220,20 @@ def test_float_division_by_zero_is_not_an_error(mode):
     for fn in (lambda a, b: a / b, lambda a, b: a // b, lambda a, b: a % b, torch.fmod,
                lambda a, b: torch.tensor([3, 4]).to(a.device) / torch.tensor([0, 0]).to(a.device)):
         torch.testing.assert_close(fn(*to_dev((a, b))).cpu(), fn(a, b), equal_nan=True)
+
+
+def test_a_fused_step_reads_one_check_status():
+    # Cost: every check of a graph folds into one tiny status, read once at the next wait.
+    with torch_pjrt.mode("fused"):
+        emb = torch.nn.Embedding(16, 8).to(DEVICE)
+        head = torch.nn.Linear(8, 16).to(DEVICE)
+        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1)
+        idx = torch.randint(0, 16, (4, 6)).to(DEVICE)
+        for _ in range(2):
+            before = torch_pjrt.metrics()["check_status_reads"]
+            opt.zero_grad()
+            loss = F.cross_entropy(head(emb(idx)).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()  # ends the graph
+            loss.item()
+            assert torch_pjrt.metrics()["check_status_reads"] - before == 1
