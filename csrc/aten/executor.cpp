@@ -17,6 +17,7 @@
 #include "aten/op_call.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
+#include "graph/source_location.h"
 #include "graph/strided_view.h"
 #include "pjrt/error.h"
 
@@ -699,6 +700,11 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   return flats;
 }
 std::string g_compile_fault_op;
+CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeCheck>& checks) {
+  auto infos = std::make_shared<std::vector<CheckInfo>>();
+  add_check_infos(*infos, checks, describe_call(call.schema, call.args), 0);
+  return infos;
+}
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached) {
   lowering::Builder b;
@@ -714,6 +720,10 @@ void compile_alone(Call& call, CachedOp& cached) {
   for (const lowering::TensorType& t : b.parameters()) largest = std::max(largest, t.element_count());
   for (const Value& v : flats) largest = std::max(largest, v.type.element_count());
   auto effort = largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
+  if (!ctx.checks.empty()) {
+    flats.push_back(lowering::check_status(b, ctx.checks));
+    cached.checks = check_infos_of(call, ctx.checks);
+  }
   cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device, effort);
 }
 
@@ -723,42 +733,12 @@ void learn_operands(Call& call, CachedOp& cached) {
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
   emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
+  if (!ctx.checks.empty()) cached.checks = check_infos_of(call, ctx.checks);
   cached.operands_known = true;
 }
 
-// ---- debug-mode checks ----------------------------------------------------
+// ---- debug-mode checks ----
 
-// XLA clamps out-of-range indices where the CPU raises; debug mode reads the
-// indices back and raises the CPU's IndexError at the user's line.
-void check_index_range(const at::Tensor& index, int64_t size, bool negative_ok, const std::string& op) {
-  if (!index.defined() || index.numel() == 0 || index.scalar_type() == at::kBool) return;
-  at::Tensor host = index.device().type() == kTpu ? to_host(index) : index;
-  int64_t lo = host.min().item<int64_t>(), hi = host.max().item<int64_t>();
-  int64_t bad = hi >= size ? hi : lo;
-  TORCH_CHECK_INDEX(hi < size && lo >= (negative_ok ? -size : 0), op, ": index ", bad,
-                    " is out of bounds for dimension with size ", size);
-}
-
-void debug_checks(const Call& call) {
-  std::string base = base_name(call.schema);
-  auto arg = [&](const char* name) -> const c10::IValue& {
-    return call.args[*call.schema.argumentIndexWithName(name)];
-  };
-  if (base == "index" || base == "index_put" || base == "_index_put_impl") {
-    at::Tensor self = arg("self").toTensor();
-    auto list = arg("indices").toList();
-    for (size_t k = 0; k < list.size() && k < static_cast<size_t>(self.dim()); ++k) {
-      c10::IValue item = list.get(k);
-      if (!item.isNone()) check_index_range(item.toTensor(), self.size(k), true, call.schema.name());
-    }
-  } else if (base == "index_select" || base == "gather" || base == "scatter" || base == "scatter_add") {
-    at::Tensor self = arg("self").toTensor();
-    int64_t dim = at::maybe_wrap_dim(arg("dim").toInt(), std::max<int64_t>(self.dim(), 1));
-    check_index_range(arg("index").toTensor(), self.dim() ? self.size(dim) : 1, false, call.schema.name());
-  } else if (base == "embedding_dense_backward") {
-    check_index_range(arg("indices").toTensor(), arg("num_weights").toInt(), false, call.schema.name());
-  }
-}
 // Debug mode with TORCH_PJRT_CHECK_NANS=1: a NaN or Inf in a floating-point
 // result raises at the op that made it.
 void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
@@ -793,7 +773,9 @@ void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
     st.buffer = result.outputs[produced++];
     st.lost.reset();
   }
+  if (cached.checks) defer_checks(result.outputs.back(), cached.checks, {graph::capture_source_location()});
   track(std::move(result.done));
+  if (mode() == Mode::Debug) raise_failed_checks();  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
 }
@@ -914,7 +896,6 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     *why = cached->unsupported;
     return false;
   }
-  if (mode() == Mode::Debug) debug_checks(call);
   if (fused) {
     record(call, cached, stack, nargs, kb.key);
   } else {
@@ -1015,6 +996,21 @@ std::string op_name(const c10::FunctionSchema& s) {
   return name;
 }
 
+std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  std::string text = op_name(schema) + "(";
+  bool first = true;
+  for (const c10::IValue& v : args) {
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
+        first = false;
+      }
+      return t;
+    });
+  }
+  return text + ")";
+}
+
 std::string base_name(const c10::FunctionSchema& s) {
   std::string name = s.name();
   if (name.rfind("aten::", 0) == 0) name = name.substr(6);
@@ -1023,9 +1019,11 @@ std::string base_name(const c10::FunctionSchema& s) {
 }
 void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
 
-std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph) {
+std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph,
+                           std::vector<lowering::RuntimeCheck>* checks) {
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
   std::vector<Value> flats = emit(b, call, cached, ctx);
+  if (checks) *checks = std::move(ctx.checks);
   if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
     flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
   return flats;
@@ -1104,6 +1102,7 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 at::Tensor to_host(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
   if (storage_state(t.storage()).pending) flush_pending();
+  raise_failed_checks();  // reading waits anyway: failed index/division checks surface here
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
   const StorageState& st = storage_state(t.storage());
@@ -1170,6 +1169,7 @@ void synchronize() {
   } catch (const pjrt::Error& e) {
     TORCH_CHECK(false, "a tpu program failed: ", e.what());
   }
+  raise_failed_checks();
 }
 
 }  // namespace torch_pjrt

@@ -65,6 +65,9 @@ PendingGraph& pending_graph() {
 struct CompiledGraph {
   pjrt::ExecutablePtr exe;
   std::atomic<bool> ran_once{false};  // a run of it completed without error
+  // Runtime checks of all ops, one status after the live outputs (null: none).
+  CheckInfos checks;
+  std::vector<size_t> checked_ops;  // graph op index per CheckInfo::op
 };
 std::mutex g_graph_cache_mutex;
 // Never destroyed: no PJRT call may run during static destruction at exit.
@@ -185,8 +188,16 @@ struct OpFailure : std::runtime_error {
   size_t op;
 };
 
+// The runtime checks of a graph's ops, in op order.
+struct GraphChecks {
+  std::vector<lowering::RuntimeCheck> checks;
+  std::vector<CheckInfo> infos;
+  std::vector<size_t> ops;  // graph op index per checked op
+};
+
 // Lowers the first `count` ops into `b`. Returns every op's results, in order.
-std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& values, size_t count) {
+std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& values, size_t count,
+                            GraphChecks* checks = nullptr) {
   values.inputs = g.inputs.inputs;
   std::vector<Value> produced;
   for (size_t k = 0; k < count; ++k) {
@@ -195,10 +206,16 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     std::vector<Value> flats;
     values.operand_ids = &rec.operand_ids;
     values.next_operand = 0;
+    std::vector<lowering::RuntimeCheck> op_checks;
     try {
-      flats = emit_op(b, call, *rec.cached, &values);
+      flats = emit_op(b, call, *rec.cached, &values, &op_checks);
     } catch (const std::exception& e) {
       throw OpFailure(k, e.what());
+    }
+    if (checks && !op_checks.empty()) {
+      add_check_infos(checks->infos, op_checks, describe_call(rec.op.schema(), rec.args), checks->ops.size());
+      checks->ops.push_back(k);
+      checks->checks.insert(checks->checks.end(), op_checks.begin(), op_checks.end());
     }
     size_t next_flat = 0, next_new = 0;
     for (const OutputPlan& p : rec.cached->outputs) {
@@ -238,13 +255,19 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   auto start = std::chrono::steady_clock::now();
   lowering::Builder b;
   GraphValues values;
-  emit_ops(g, b, values, g.ops.size());
+  GraphChecks checks;
+  emit_ops(g, b, values, g.ops.size(), &checks);
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
+  auto compiled = std::make_shared<CompiledGraph>();
+  if (!checks.checks.empty()) {
+    outputs.push_back(lowering::check_status(b, checks.checks));
+    compiled->checks = std::make_shared<const std::vector<CheckInfo>>(std::move(checks.infos));
+    compiled->checked_ops = std::move(checks.ops);
+  }
   std::string program = b.finish(outputs, donated);
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   metrics().graph_lowering_seconds += took.count();
-  auto compiled = std::make_shared<CompiledGraph>();
   try {
     compiled->exe = compile_cache().get_or_compile(program, g.device);
   } catch (const std::exception& e) {
@@ -255,20 +278,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
 }
 
 // "aten::add.Tensor(f32[3, 4], f32[4])": what a recompile explanation shows.
-std::string describe(const RecordedOp& rec) {
-  std::string text = op_name(rec.op.schema()) + "(";
-  bool first = true;
-  for (const c10::IValue& v : rec.args) {
-    map_tensors(v, [&](const at::Tensor& t) {
-      if (t.defined()) {
-        text += (first ? "" : ", ") + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
-        first = false;
-      }
-      return t;
-    });
-  }
-  return text + ")";
-}
+std::string describe(const RecordedOp& rec) { return describe_call(rec.op.schema(), rec.args); }
 
 // Recompilation explainer: says how a graph that missed the cache differs
 // from the graph compiled before it.
@@ -410,6 +420,11 @@ void run_graph(PendingGraph& g) {
       compiled->ran_once = true;
     }
     for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
+    if (compiled->checks) {
+      std::vector<graph::SourceLocation> locations;
+      for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
+      defer_checks(result.outputs[live.size()], compiled->checks, std::move(locations));
+    }
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
       metrics().donated_bytes += static_cast<int64_t>(result.outputs[output]->byte_count());

@@ -26,6 +26,18 @@ struct OutputMeta {
   Dims dims;
 };
 
+// A condition on the data that the CPU checks and XLA does not (an index in
+// range, a nonzero integer divisor): XLA clamps or drops instead. The program
+// computes it as a tiny extra output; the host raises the CPU's error at its
+// next wait (executor.cpp, runtime_checks.h).
+enum class CheckError { Index, Runtime };  // Python IndexError / RuntimeError, as the CPU raises
+struct RuntimeCheck {
+  Value ok;             // pred[]: the condition holds
+  Value bad;            // s64[]: the offending value, for the message
+  CheckError error;
+  std::string message;  // the CPU's message; "{}" stands for `bad`
+};
+
 // Argument access goes by the name in the op's schema ("self", "other", "dim").
 class Context {
  public:
@@ -59,6 +71,11 @@ class Context {
   // Threefry state ui64[2] from the op's generator (or the default one), which
   // advances by `count` so every draw is fresh and reproducible.
   virtual Value rng_state(int64_t count) = 0;
+
+  // Declares a runtime check (see RuntimeCheck); the executor reports the
+  // first one that fails, naming the op and the user's line.
+  void check(RuntimeCheck c) { checks.push_back(std::move(c)); }
+  std::vector<RuntimeCheck> checks;
 };
 
 using LoweringFn = std::vector<Value> (*)(Context&);
@@ -85,6 +102,8 @@ int64_t wrap_dim(int64_t dim, int64_t rank);
 Dims all_dims(int64_t rank);
 Value zeros_like(Builder& b, const Value& x);
 Value scalar_like(Builder& b, double v, const Value& x);
+// s64[2]: {index of the first failed check or -1, that check's bad value}.
+Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 
 // Registration: each family file defines register_<family>(Table&).
 struct Table;

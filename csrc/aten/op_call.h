@@ -15,6 +15,7 @@
 
 #include "aten/device.h"
 #include "aten/lowering.h"
+#include "aten/runtime_checks.h"
 
 namespace torch_pjrt {
 
@@ -61,6 +62,9 @@ struct CachedOp {
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
   std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
+  // The runtime checks its lowering declares (null: none). Strict/debug: the
+  // op's program returns their status after its outputs.
+  CheckInfos checks;
 };
 
 // Every argument of a call, with the schema facts the executor needs.
@@ -125,8 +129,12 @@ std::optional<lowering::TensorType> storage_type(const StorageState& st);
 void track(std::unique_ptr<pjrt::Event> done);
 
 // Lowers one op into `b`; in a fused graph, `graph` threads storage values
-// from op to op. Returns one flat value per present output.
-std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph);
+// from op to op. Returns one flat value per present output; the op's runtime
+// checks go to `checks` when given.
+std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph,
+                           std::vector<lowering::RuntimeCheck>* checks = nullptr);
+// "aten::add.Tensor(Float[3, 4], Float[4])": an op and its tensor arguments, for errors.
+std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args);
 
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);

@@ -19,6 +19,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const c10::IndexError& e) {  // a failed index check raised at synchronize()
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
     } catch (const c10::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     } catch (const torch_pjrt::pjrt::Error& e) {
@@ -100,6 +102,7 @@ PYBIND11_MODULE(_C, m) {
     d["graphs"] = s.graphs;
     d["graph_cache_hits"] = s.graph_cache_hits;
     d["donated_buffers"] = s.donated_buffers;
+    d["check_status_reads"] = s.check_status_reads;
     d["donated_bytes"] = s.donated_bytes;
     d["host_to_device_bytes"] = s.host_to_device_bytes;
     d["device_to_host_bytes"] = s.device_to_host_bytes;

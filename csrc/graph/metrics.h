@@ -28,6 +28,7 @@ struct Metrics {
   int64_t graph_cache_hits = 0;  // graphs found by structure, nothing lowered
   int64_t donated_buffers = 0;   // graph inputs whose buffer an in-place result reused
   int64_t donated_bytes = 0;
+  int64_t check_status_reads = 0;  // runtime-check statuses read at host waits (one per checked program)
   int64_t host_to_device_bytes = 0;
   int64_t device_to_host_bytes = 0;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count

@@ -2,6 +2,7 @@
 #pragma once
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "aten/lowering.h"
 
@@ -76,6 +77,35 @@ inline Value init_for(Builder& b, hlo::Reducer r, ElementType e) {
     case Reducer::Or: return b.constant_bool(false);
   }
   return b.constant(0, e);
+}
+
+// Runtime check (see RuntimeCheck) that every element of `index` lies in
+// [0, size), or in [-size, size) with `allow_negative`. The bad value shown is
+// the first offending element in row-major order, as the CPU reports.
+inline void check_in_range(Context& c, Value index, int64_t size, bool allow_negative, CheckError error,
+                           std::string message) {
+  Builder& b = c.b;
+  int64_t n = index.type.element_count();
+  if (n == 0) return;
+  Value flat = b.reshape(b.convert(index, ElementType::S64), {n});
+  Value below = b.compare(flat, b.constant_int(allow_negative ? -size : 0, ElementType::S64, {n}), hlo::Compare::LT);
+  Value above = b.compare(flat, b.constant_int(size, ElementType::S64, {n}), hlo::Compare::GE);
+  Value positions = b.iota(TensorType{ElementType::S64, {n}}, 0);
+  Value none = b.constant_int(n, ElementType::S64);
+  Value marked = b.select(b.binary("or", below, above), positions, b.broadcast_in_dim(none, {n}, {}));
+  Value first = b.reduce(marked, none, {0}, hlo::Reducer::Min);
+  Value at = b.binary("minimum", first, b.constant_int(n - 1, ElementType::S64));
+  Value bad = b.reshape(b.dynamic_slice(flat, {at}, {1}), {});
+  c.check(RuntimeCheck{b.compare(first, none, hlo::Compare::EQ), bad, error, std::move(message)});
+}
+
+// Integer division by zero: the CPU raises RuntimeError("ZeroDivisionError").
+inline void check_nonzero_divisor(Context& c, const Value& divisor) {
+  Builder& b = c.b;
+  if (is_float(divisor.element()) || divisor.element() == ElementType::Pred || divisor.type.element_count() == 0) return;
+  Value nonzero = b.compare(divisor, b.constant_int(0, divisor.element(), divisor.dims()), hlo::Compare::NE);
+  Value ok = b.reduce(nonzero, b.constant_bool(true), all_dims(divisor.rank()), hlo::Reducer::And);
+  c.check(RuntimeCheck{ok, b.constant_int(0, ElementType::S64), CheckError::Runtime, "ZeroDivisionError"});
 }
 
 }  // namespace torch_pjrt::lowering

@@ -1,8 +1,10 @@
 // Gathers and scatters: index_select, gather, scatter(_add), advanced
-// indexing (index.Tensor, index_put_), embedding_dense_backward. Out-of-range
-// indices are clamped by XLA instead of raising; debug mode is the place to
-// catch them (on CPU they raise).
+// indexing (index.Tensor, index_put_), embedding_dense_backward. XLA clamps
+// out-of-range gather indices and drops such scatter updates; where the CPU
+// raises, each lowering declares a runtime check (Context::check) with the
+// CPU's error, which the host raises at its next wait.
 #include <optional>
+#include <string>
 
 #include "aten/lowerings/common.h"
 
@@ -10,6 +12,26 @@ namespace torch_pjrt::lowering {
 namespace {
 
 Value as_index(Builder& b, const Value& i) { return b.convert(i, ElementType::S64); }
+
+std::string out_of_bounds(int64_t dim, int64_t size) {
+  return "index {} is out of bounds for dimension " + std::to_string(dim) + " with size " + std::to_string(size);
+}
+// gather and the scatter family: indices in [0, size) along `dim`; the CPU
+// raises RuntimeError.
+void check_dim_index(Context& c, const Value& index, const Value& x, int64_t dim) {
+  int64_t size = x.rank() == 0 ? 1 : x.dims()[dim];
+  check_in_range(c, index, size, false, CheckError::Runtime, out_of_bounds(dim, size));
+}
+// index_select (embedding) and index_reduce: the CPU raises IndexError, but
+// RuntimeError from its own kernel for index_select along dim 1.
+void check_select_index(Context& c, const Value& index, int64_t size, int64_t dim) {
+  check_in_range(c, index, size, false, CheckError::Index, "index out of range in self (" + out_of_bounds(dim, size) + ")");
+}
+void check_index_select(Context& c, const Value& index, const Value& x, int64_t dim) {
+  if (x.rank() < 2 || dim != 1) return check_select_index(c, index, x.rank() == 0 ? 1 : x.dims()[dim], dim);
+  check_in_range(c, index, x.dims()[1], false, CheckError::Runtime,
+                 "INDICES element is out of DATA bounds, id={} axis_dim=" + std::to_string(x.dims()[1]));
+}
 
 // Negative indices count from the end, as in Python.
 Value wrap_negative(Builder& b, Value i, int64_t size) {
@@ -35,8 +57,9 @@ Value coordinates(Builder& b, Value index, int64_t dim, int64_t rank) {
 std::vector<Value> lower_gather(Context& c) {
   Value x = c.tensor("self"), index = c.tensor("index");
   int64_t rank = x.rank();
-  if (rank == 0) return {x};
   int64_t dim = wrap_dim(c.int_arg("dim"), rank);
+  check_dim_index(c, index, x, dim);
+  if (rank == 0) return {x};
   Dims all = all_dims(rank);
   hlo::Builder::GatherDims dn{{}, all, {}, {}, all, rank};
   return {c.b.gather(x, coordinates(c.b, index, dim, rank), dn, Dims(rank, 1), index.dims())};
@@ -53,6 +76,7 @@ std::vector<Value> scatter_like(Context& c, bool accumulate) {
   }
   Value x = c.tensor("self"), index = c.tensor("index");
   if (index.type.element_count() == 0) return {x};
+  check_dim_index(c, index, x, wrap_dim(c.int_arg("dim"), x.rank()));
   Dims result_dims = x.dims();
   if (x.rank() == 0) {  // a 0-d scatter is a 1-element one
     x = c.b.reshape(x, {1});
@@ -107,6 +131,7 @@ std::vector<Value> lower_scatter_reduce(Context& c) {
   Value x = c.tensor("self"), index = c.tensor("index");
   if (x.rank() == 0 || index.type.element_count() == 0) throw Unsupported("scatter_reduce of a 0-d or empty index");
   int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
+  check_dim_index(c, index, x, dim);
   Value src = c.b.convert(c.tensor("src"), x.element());
   Value updates = c.b.slice(src, Dims(rank, 0), index.dims(), Dims(rank, 1));
   return {reduce_into(c.b, x, coordinates(c.b, index, dim, rank), updates, c.string_arg("reduce"), include_self_arg(c))};
@@ -120,6 +145,7 @@ std::vector<Value> lower_index_reduce(Context& c) {
   if (x.rank() == 0 || source.rank() != x.rank() || index.type.element_count() == 0)
     throw Unsupported("index_reduce of a 0-d tensor or an empty index");
   int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank);
+  check_select_index(c, index, x.dims()[dim], dim);
   Value per_update = c.b.broadcast_in_dim(c.b.reshape(index, {index.type.element_count()}), source.dims(), {dim});
   return {reduce_into(c.b, x, coordinates(c.b, per_update, dim, rank), source, c.string_arg("reduce"),
                       include_self_arg(c))};
@@ -130,11 +156,12 @@ std::vector<Value> lower_scatter_add(Context& c) { return scatter_like(c, true);
 
 std::vector<Value> lower_index_select(Context& c) {
   Value x = c.tensor("self");
-  if (x.rank() == 0) return {x};
   Value index = c.tensor("index");
+  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
+  check_index_select(c, index, x, dim);
+  if (x.rank() == 0) return {x};
   int64_t n = index.type.element_count();
   index = as_index(c.b, c.b.reshape(index, {n}));
-  int64_t dim = wrap_dim(c.int_arg("dim"), x.rank());
   Dims offset, slice = x.dims(), out = x.dims();
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) offset.push_back(d);
@@ -156,7 +183,10 @@ struct IndexPlan {
   int64_t place = 0;  // where the batch dims go in the result
 };
 
-IndexPlan plan_index(Builder& b, const Value& x, const std::vector<std::optional<Value>>& indices) {
+// Index d may count from the end (-size..size-1); outside that the CPU
+// raises IndexError.
+IndexPlan plan_index(Context& c, const Value& x, const std::vector<std::optional<Value>>& indices) {
+  Builder& b = c.b;
   IndexPlan p;
   Dims indexed, rest;
   for (int64_t d = 0; d < x.rank(); ++d) {
@@ -181,6 +211,7 @@ IndexPlan plan_index(Builder& b, const Value& x, const std::vector<std::optional
   with_one.push_back(1);
   std::vector<Value> parts;
   for (int64_t d : indexed) {
+    check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, out_of_bounds(d, x.dims()[d]));
     Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d]), p.batch);
     parts.push_back(b.reshape(i, with_one));
   }
@@ -212,7 +243,7 @@ Dims range(int64_t from, int64_t count) {
 
 std::vector<Value> lower_index(Context& c) {
   Value x = c.tensor("self");
-  IndexPlan p = plan_index(c.b, x, c.tensor_list("indices"));
+  IndexPlan p = plan_index(c, x, c.tensor_list("indices"));
   int64_t nb = static_cast<int64_t>(p.batch.size()), nr = static_cast<int64_t>(p.rest_sizes.size());
   Value xt = c.b.transpose(x, p.order);
   Dims slice(p.k, 1), out = p.batch;
@@ -225,7 +256,7 @@ std::vector<Value> lower_index(Context& c) {
 // index_put_(self, indices, values, accumulate): the transposed scatter.
 std::vector<Value> lower_index_put(Context& c) {
   Value x = c.tensor("self");
-  IndexPlan p = plan_index(c.b, x, c.tensor_list("indices"));
+  IndexPlan p = plan_index(c, x, c.tensor_list("indices"));
   int64_t nb = static_cast<int64_t>(p.batch.size()), nr = static_cast<int64_t>(p.rest_sizes.size());
   Dims perm = result_permutation(p), gathered = p.batch, result;
   gathered.insert(gathered.end(), p.rest_sizes.begin(), p.rest_sizes.end());

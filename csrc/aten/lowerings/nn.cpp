@@ -623,7 +623,11 @@ Nll nll_parts(Context& c, const Value& x) {
     w = c.b.constant(1, x.element(), target.dims());
   }
   Value ignore = c.b.constant_int(c.int_arg("ignore_index"), ElementType::S64, target.dims());
-  n.weight = c.b.select(c.b.compare(target, ignore, Compare::NE), w, zeros_like(c.b, w));
+  Value kept = c.b.compare(target, ignore, Compare::NE);
+  n.weight = c.b.select(kept, w, zeros_like(c.b, w));
+  // A target outside [0, classes) picks nothing here; the CPU raises.
+  check_in_range(c, c.b.select(kept, target, zeros_like(c.b, target)), x.dims()[n.class_dim], false,
+                 CheckError::Index, "Target {} is out of bounds.");
   return n;
 }
 // (self, target, weight, reduction, ignore_index) -> (output, total_weight)

@@ -200,6 +200,7 @@ std::vector<Value> lower_div(Context& c) {
   std::string mode = c.has("rounding_mode") ? c.string_arg("rounding_mode") : "";
   Value a = in(c, o), b = in(c, o, "other");
   if (mode.empty()) return {c.b.binary("divide", a, b)};
+  check_nonzero_divisor(c, b);
   if (!is_float(o.compute)) return {mode == "trunc" ? c.b.binary("divide", a, b) : floor_divide_int(c.b, a, b)};
   Value q = c.b.binary("divide", a, b);
   if (mode == "floor") return {c.b.unary("floor", q)};
@@ -208,12 +209,14 @@ std::vector<Value> lower_div(Context& c) {
 std::vector<Value> lower_floor_divide(Context& c) {
   Out o(c);
   Value a = in(c, o), b = in(c, o, "other");
+  check_nonzero_divisor(c, b);
   if (!is_float(o.compute)) return {floor_divide_int(c.b, a, b)};
   return {c.b.unary("floor", c.b.binary("divide", a, b))};
 }
 std::vector<Value> lower_remainder(Context& c) {
   Out o(c);
   Value a = in(c, o), b = in(c, o, "other");
+  check_nonzero_divisor(c, b);
   Value r = c.b.binary("remainder", a, b);
   Value zero = full(c.b, 0, r);
   Value fix = c.b.binary("and", c.b.compare(r, zero, hlo::Compare::NE),
@@ -221,12 +224,18 @@ std::vector<Value> lower_remainder(Context& c) {
                                      hlo::Compare::NE));
   return {c.b.select(fix, c.b.binary("add", r, b), r)};
 }
+std::vector<Value> lower_fmod(Context& c) {
+  Out o(c);
+  Value a = in(c, o), b = in(c, o, "other");
+  check_nonzero_divisor(c, b);
+  return {c.b.binary("remainder", a, b)};
+}
 template <const char* Op>
 std::vector<Value> binary(Context& c) {
   Out o(c);
   return {c.b.binary(Op, in(c, o), in(c, o, "other"))};
 }
-constexpr char k_fmod[] = "remainder", k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
+constexpr char k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
                k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
 
 // sqrt(a^2 + b^2) scaled by the larger magnitude, so it neither overflows nor
@@ -505,7 +514,7 @@ void register_pointwise(Table& t) {
            {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not}, {"logical_not", lower_logical_not},
            {"isnan", lower_isnan}, {"isinf", lower_isinf}, {"nan_to_num", lower_nan_to_num},
            {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
-           {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", binary<k_fmod>},
+           {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", lower_fmod},
            {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
            {"bitwise_and", binary<k_and>}, {"bitwise_or", binary<k_or>}, {"bitwise_xor", binary<k_xor>},
            {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},

@@ -1,0 +1,82 @@
+#include "aten/runtime_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+#include "graph/metrics.h"
+#include "pjrt/error.h"
+
+namespace torch_pjrt {
+namespace {
+
+struct PendingStatus {
+  pjrt::BufferPtr status;
+  CheckInfos checks;
+  std::vector<graph::SourceLocation> locations;
+};
+
+std::mutex g_mutex;
+// Never destroyed: no PJRT call may run during static destruction at exit.
+std::vector<PendingStatus>& g_pending = *new std::vector<PendingStatus>();
+// A loop that never waits still reads its statuses now and then, so they do
+// not pile up; by then their programs have long finished.
+constexpr size_t kMaxPending = 1024;
+
+std::string with_value(std::string message, int64_t bad) {
+  auto at = message.find("{}");
+  if (at != std::string::npos) message.replace(at, 2, std::to_string(bad));
+  return message;
+}
+
+}  // namespace
+
+void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks,
+                     const std::string& op, size_t checked_op) {
+  for (const auto& c : checks) into.push_back(CheckInfo{c.error, c.message, op, checked_op});
+}
+
+void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations) {
+  bool full;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_pending.push_back(PendingStatus{std::move(status), std::move(checks), std::move(locations)});
+    full = g_pending.size() >= kMaxPending;
+  }
+  if (full) raise_failed_checks();
+}
+
+void raise_failed_checks() {
+  std::vector<PendingStatus> pending;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_pending.empty()) return;
+    pending.swap(g_pending);
+  }
+  const PendingStatus* failed = nullptr;
+  int64_t first[2] = {-1, 0};
+  for (const PendingStatus& p : pending) {
+    int64_t status[2] = {-1, 0};
+    ++graph::metrics().check_status_reads;
+    try {
+      p.status->to_host(status);
+    } catch (const pjrt::Error&) {
+      continue;  // the program itself failed: its completion event reports that
+    }
+    if (status[0] >= 0 && !failed) {
+      failed = &p;
+      first[0] = status[0];
+      first[1] = status[1];
+    }
+  }
+  if (!failed) return;
+  const CheckInfo& info = failed->checks->at(static_cast<size_t>(first[0]));
+  graph::SourceLocation location = failed->locations.at(info.checked_op);
+  std::string message = c10::str(with_value(info.message, first[1]), " (in ", info.op, ", recorded at ",
+                                 graph::describe_source_location(location),
+                                 "; found by a check on the device, raised at the next host wait)");
+  if (info.error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
+  TORCH_CHECK(false, message);
+}
+
+}  // namespace torch_pjrt
