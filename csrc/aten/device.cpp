@@ -265,9 +265,29 @@ StorageState& storage_state(const c10::Storage& storage) {
   return *static_cast<StorageState*>(ctx);
 }
 
+std::mutex& storage_mutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: storages may die during exit
+  return *mutex;
+}
+
+pjrt::BufferPtr buffer_of(const StorageState& st) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  return st.buffer;
+}
+
+void install_buffer(StorageState& st, pjrt::BufferPtr buffer) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  st.buffer.swap(buffer);
+  st.lost.reset();
+}  // the old buffer is released after the lock (declared before it)
+
 void check_has_value(const StorageState& st) {
-  TORCH_CHECK(!st.lost, "this tpu tensor has no value: ", *st.lost,
-              ". Assign it again (for example with copy_) to use it.");
+  std::shared_ptr<const std::string> lost;
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    lost = st.lost;
+  }
+  TORCH_CHECK(!lost, "this tpu tensor has no value: ", *lost, ". Assign it again (for example with copy_) to use it.");
 }
 
 uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
@@ -276,9 +296,10 @@ uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
     std::lock_guard<std::mutex> lock(memory().mutex);
     TORCH_CHECK(live_storages().count(state), "no live tpu storage has data_ptr ", storage_data_ptr);
   }
-  if (!state->buffer) return 0;
-  state->buffer->wait_ready();
-  return state->buffer->device_address();
+  pjrt::BufferPtr buffer = buffer_of(*state);
+  if (!buffer) return 0;
+  buffer->wait_ready();
+  return buffer->device_address();
 }
 
 Mode mode() { return g_mode; }

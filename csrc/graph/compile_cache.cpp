@@ -16,7 +16,37 @@ Metrics& metrics() {
   return m;
 }
 
-void reset_metrics() { metrics() = Metrics{}; }
+std::mutex& metrics_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+void count_lowered_op(const std::string& name) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  ++metrics().lowered_ops[name];
+}
+
+void count_cpu_fallback(const std::string& name) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  ++metrics().cpu_fallbacks[name];
+}
+
+void note_recompile_reason(std::string reason) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  auto& reasons = metrics().recompile_reasons;
+  reasons.push_back(std::move(reason));
+  if (reasons.size() > 50) reasons.erase(reasons.begin());
+}
+
+Metrics metrics_snapshot() {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  return metrics();
+}
+
+void reset_metrics() {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  metrics() = Metrics{};
+}
 
 namespace {
 
@@ -37,10 +67,13 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
   // built for other replicas or partitions is another executable.
   static const std::string options = pjrt::CompileOptions{}.serialize();
   std::string key = std::to_string(device_index) + "\n" + options + "\n" + program;
-  auto it = entries_.find(key);
-  if (it != entries_.end()) {
-    ++metrics().compile_cache_hits;
-    return it->second;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(key);
+    if (it != entries_.end()) {
+      ++metrics().compile_cache_hits;
+      return it->second;
+    }
   }
   pjrt::ExecutablePtr exe;
   if (disk_) {
@@ -70,8 +103,8 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
       }
     }
   }
-  entries_.emplace(std::move(key), exe);
-  return exe;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return entries_.emplace(std::move(key), exe).first->second;
 }
 
 }  // namespace torch_pjrt::graph
