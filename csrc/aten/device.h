@@ -66,6 +66,14 @@ pjrt::Client& client();
 graph::CompileCache& compile_cache();
 bool runtime_started();
 
+// fork() after the runtime started leaves the child a runtime without the
+// plugin's threads: any device work would hang. As CUDA does, the child is in
+// a "bad fork": every device entry point (allocation, ops, copies, reads,
+// sync) raises at once; CPU work, tensor metadata, device_count() and freeing
+// inherited tensors (leaked, not released) keep working.
+bool in_bad_fork();
+void check_not_forked();
+
 int device_count();
 int current_device();
 void set_current_device(int index);

@@ -897,6 +897,7 @@ void note_cpu_fallback(const std::string& name, const std::string& why) {
   }
 }
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  check_not_forked();
   std::string why;
   try {
     if (run_lowered(op, stack, &why)) return;
@@ -908,6 +909,7 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
 at::Tensor to_host(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
+  check_not_forked();
   const StorageState& st = storage_state(t.storage());
   pjrt::BufferPtr buffer = readable_buffer(st);  // our reference: other threads may install new ones
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
@@ -933,6 +935,7 @@ at::Tensor to_host(const at::Tensor& t) {
 }
 
 void copy_into(const at::Tensor& dst, const at::Tensor& src) {
+  check_not_forked();
   if (dst.device().type() != kTpu) {
     at::Tensor host = to_host(src);
     dst.copy_(host);
@@ -962,6 +965,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 void synchronize() {
+  check_not_forked();
   flush_pending();
   std::deque<std::unique_ptr<pjrt::Event>> pending;
   {

@@ -400,6 +400,7 @@ void run_graph(PendingGraph& g) {
 }  // namespace
 
 void flush_pending() {
+  check_not_forked();  // before the lock: a thread of the parent may have held it at the fork
   PendingGraph& g = pending_graph();
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);

@@ -30,6 +30,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
   m.def("_runtime_started", &runtime_started);
+  m.def("_is_in_bad_fork", &in_bad_fork);
+  m.def("_check_not_forked", &check_not_forked);
   m.def("_device_count", &device_count);
   m.def("_current_device", &current_device);
   m.def("_set_device", &set_current_device);

@@ -2,9 +2,17 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
+
 #include "pjrt/error.h"
 
 namespace torch_pjrt::pjrt {
+namespace {
+std::atomic<bool> g_forked_child{false};
+}  // namespace
+
+void mark_forked_child() { g_forked_child = true; }
+bool in_forked_child() { return g_forked_child; }
 
 std::shared_ptr<Plugin> Plugin::load(const std::string& path) {
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);

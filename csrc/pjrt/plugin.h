@@ -30,6 +30,13 @@ class Plugin {
   const PJRT_Api* api_;
 };
 
+// fork(): the child inherits the parent's PJRT objects but none of the
+// plugin's threads, so a call into the plugin may block forever. The fork
+// handler marks the child; from then on the destructors of buffers, events,
+// executables and clients call nothing (the child's exit reclaims memory).
+void mark_forked_child();
+bool in_forked_child();
+
 // Zero-initialized args struct with struct_size set, as every PJRT call wants.
 template <typename Args>
 Args make_args(size_t struct_size) {

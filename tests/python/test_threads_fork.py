@@ -167,3 +167,119 @@ def test_threads_that_sync_while_others_record_do_not_deadlock():
 
     run_threads(body)
     assert x.cpu()[0].item() == (THREADS - 1) * 40
+
+
+# ---- fork -------------------------------------------------------------------
+
+def run_python(code, mode="fused", timeout=180):
+    """Runs `code` in a fresh interpreter; a hang fails the test (TimeoutExpired)."""
+    env = dict(os.environ, TORCH_PJRT_MODE=mode, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "lazy"])
+def test_cpu_only_dataloader_workers_run_after_the_parent_used_the_device(mode):
+    # The parent leaves recorded ops pending (fused, lazy) and live tensors;
+    # workers run an nn.Module under no_grad (fused mode's end-of-module hook),
+    # collect garbage (freeing inherited tensors) and seed torch (which seeds
+    # every device whose module is not in a bad fork).
+    out = run_python("""
+        import gc, torch, torch_pjrt
+        from torch.utils.data import DataLoader, Dataset
+        w = torch.randn(3, 3)
+        w_dev = w.to("tpu")
+        pending = w_dev * 2 + 1
+        garbage = [torch.ones(2, device="tpu")]
+        garbage.append(garbage)
+        del garbage
+        scale = torch.nn.Linear(2, 3)
+
+        class Data(Dataset):
+            def __len__(self):
+                return 16
+            def __getitem__(self, i):
+                gc.collect()
+                assert torch.tpu._is_in_bad_fork()
+                with torch.no_grad():
+                    return scale(torch.tensor([float(i), 1.0]))
+
+        loader = DataLoader(Data(), batch_size=4, num_workers=2)
+        got = torch.cat([(b.to("tpu") @ w_dev).cpu() for b in loader])
+        with torch.no_grad():
+            rows = torch.stack([scale(torch.tensor([float(i), 1.0])) for i in range(16)])
+        torch.testing.assert_close(got, rows @ w)
+        torch.testing.assert_close(pending.cpu(), w * 2 + 1)
+        assert not torch.tpu._is_in_bad_fork()
+        print("ok")
+    """, mode=mode)
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_forked_child_that_uses_the_device_raises_at_once(mode):
+    out = run_python("""
+        import os, torch, torch_pjrt
+        x = torch.arange(4.0, device="tpu")
+        pending = x + 1
+        print("parent", x.cpu().tolist(), flush=True)
+        pid = os.fork()
+        if pid == 0:
+            results = [torch.tpu._is_in_bad_fork(), torch.tpu.device_count()]
+            for attempt in (lambda: torch.ones(2, device="tpu"), lambda: x.add_(1), lambda: pending.cpu(),
+                            lambda: x.cpu(), lambda: torch_pjrt.sync(), lambda: torch.tpu.synchronize(),
+                            lambda: torch.tpu._lazy_init(), lambda: torch.zeros(2).to("tpu")):
+                try:
+                    attempt()
+                    results.append("no error")
+                except RuntimeError as e:
+                    results.append("forked subprocess" in str(e) and "spawn" in str(e))
+            print("child", results, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        assert not torch.tpu._is_in_bad_fork()
+        print("parent after", (pending * 2).cpu().tolist(), flush=True)
+    """, mode=mode, timeout=120)
+    lines = out.strip().splitlines()
+    assert lines[0] == "parent [0.0, 1.0, 2.0, 3.0]"
+    # The child: a bad fork that still knows the device count; every device use raises the fork error.
+    assert lines[1] == "child " + str([True, torch.tpu.device_count()] + [True] * 8)
+    assert lines[2] == "parent after [2.0, 4.0, 6.0, 8.0]"
+
+
+def test_dataloader_worker_that_uses_the_device_fails_with_the_fork_error():
+    out = run_python("""
+        import torch, torch_pjrt
+        from torch.utils.data import DataLoader, Dataset
+        torch.ones(2, device="tpu").cpu()
+
+        class Data(Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return torch.full((2,), float(i), device="tpu").cpu()
+
+        try:
+            list(DataLoader(Data(), batch_size=2, num_workers=2))
+            print("no error")
+        except RuntimeError as e:
+            print("raised", "forked subprocess" in str(e))
+    """, timeout=120)
+    assert out.strip().splitlines()[-1] == "raised True"
+
+
+def test_child_forked_before_the_runtime_started_may_use_the_device():
+    out = run_python("""
+        import os, torch, torch_pjrt
+        assert not torch.tpu.is_initialized()
+        pid = os.fork()
+        if pid == 0:
+            ok = not torch.tpu._is_in_bad_fork() and (torch.arange(3.0, device="tpu") * 2).cpu().tolist() == [0, 2, 4]
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        print("child status", status)
+    """, timeout=120)
+    assert out.strip().splitlines()[-1] == "child status 0"
