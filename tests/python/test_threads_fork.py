@@ -182,6 +182,8 @@ def run_python(code, mode="fused", timeout=180):
 
 @pytest.mark.parametrize("mode", ["strict", "fused", "lazy"])
 def test_cpu_only_dataloader_workers_run_after_the_parent_used_the_device(mode):
+    # Before the fix, fused mode hung here: the end-of-module hook synced in the
+    # worker, which compiled the parent's pending graph in the forked child.
     # The parent leaves recorded ops pending (fused, lazy) and live tensors;
     # workers run an nn.Module under no_grad (fused mode's end-of-module hook),
     # collect garbage (freeing inherited tensors) and seed torch (which seeds
@@ -191,6 +193,9 @@ def test_cpu_only_dataloader_workers_run_after_the_parent_used_the_device(mode):
         from torch.utils.data import DataLoader, Dataset
         w = torch.randn(3, 3)
         w_dev = w.to("tpu")
+        # A program compiled and run before the fork: the plugin's thread pools
+        # exist, and a child that compiles or runs would wait on them forever.
+        torch.testing.assert_close((w_dev * 3).cpu(), w * 3)
         pending = w_dev * 2 + 1
         garbage = [torch.ones(2, device="tpu")]
         garbage.append(garbage)
