@@ -9,6 +9,8 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <mutex>
 #include <unordered_set>
@@ -25,6 +27,7 @@ struct Runtime {
 };
 
 std::atomic<bool> g_started{false};
+std::atomic<bool> g_bad_fork{false};
 
 std::string& configured_path() {
   static std::string path;
@@ -99,8 +102,23 @@ void delete_storage(void* ctx) {
   delete state;
 }
 
+// ---- fork: a child of a process whose runtime started is a bad fork (see
+// check_not_forked). Freeing inherited tensors is CPU work such a child does
+// (DataLoader workers), so fork() holds the allocator's lock: no other thread
+// of the parent can hold it at the fork and leave it locked in the child.
+void fork_prepare() { memory().mutex.lock(); }
+void fork_parent() { memory().mutex.unlock(); }
+void fork_child() {
+  memory().mutex.unlock();
+  if (!g_started) return;  // nothing inherited: the child may start its own runtime
+  g_bad_fork = true;
+  pjrt::mark_forked_child();
+}
+const bool g_fork_handlers_registered = pthread_atfork(fork_prepare, fork_parent, fork_child) == 0;
+
 struct TpuAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
+    check_not_forked();
     auto* state = new StorageState{nullptr, nbytes, current_device()};
     {
       std::lock_guard<std::mutex> lock(memory().mutex);
@@ -265,20 +283,42 @@ StorageState& storage_state(const c10::Storage& storage) {
   return *static_cast<StorageState*>(ctx);
 }
 
+std::mutex& storage_mutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: storages may die during exit
+  return *mutex;
+}
+
+pjrt::BufferPtr buffer_of(const StorageState& st) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  return st.buffer;
+}
+
+void install_buffer(StorageState& st, pjrt::BufferPtr buffer) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  st.buffer.swap(buffer);
+  st.lost.reset();
+}  // the old buffer is released after the lock (declared before it)
+
 void check_has_value(const StorageState& st) {
-  TORCH_CHECK(!st.lost, "this tpu tensor has no value: ", *st.lost,
-              ". Assign it again (for example with copy_) to use it.");
+  std::shared_ptr<const std::string> lost;
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    lost = st.lost;
+  }
+  TORCH_CHECK(!lost, "this tpu tensor has no value: ", *lost, ". Assign it again (for example with copy_) to use it.");
 }
 
 uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
+  check_not_forked();
   const StorageState* state = reinterpret_cast<const StorageState*>(storage_data_ptr);
   {
     std::lock_guard<std::mutex> lock(memory().mutex);
     TORCH_CHECK(live_storages().count(state), "no live tpu storage has data_ptr ", storage_data_ptr);
   }
-  if (!state->buffer) return 0;
-  state->buffer->wait_ready();
-  return state->buffer->device_address();
+  pjrt::BufferPtr buffer = buffer_of(*state);
+  if (!buffer) return 0;
+  buffer->wait_ready();
+  return buffer->device_address();
 }
 
 Mode mode() { return g_mode; }
@@ -290,8 +330,24 @@ void configure_plugin(const std::string& path) {
   configured_path() = path;
 }
 const std::string& plugin_path() { return configured_path(); }
-pjrt::Client& client() { return *runtime().client; }
-graph::CompileCache& compile_cache() { return *runtime().cache; }
+pjrt::Client& client() {
+  check_not_forked();
+  return *runtime().client;
+}
+graph::CompileCache& compile_cache() {
+  check_not_forked();
+  return *runtime().cache;
+}
+
+bool in_bad_fork() { return g_bad_fork; }
+
+void check_not_forked() {
+  TORCH_CHECK(!g_bad_fork,
+              "Cannot use the tpu device in a forked subprocess: the parent started the tpu runtime before fork(), "
+              "and a PJRT runtime does not survive fork. To use the tpu device with multiprocessing, use the 'spawn' "
+              "start method (for a DataLoader: multiprocessing_context='spawn'), or keep the workers' work on the CPU "
+              "and move batches to the device in the parent.");
+}
 
 bool runtime_started() { return g_started; }
 

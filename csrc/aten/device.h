@@ -5,6 +5,7 @@
 #include <c10/core/Storage.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "graph/compile_cache.h"
@@ -29,6 +30,21 @@ struct StorageState {
   std::shared_ptr<const std::string> lost;
 };
 
+// Threads. Ops on any thread read and replace storages' buffers, so every
+// access to a StorageState's buffer, pending fields and `lost` holds
+// storage_mutex(). Strict/debug execution holds it from reading its operand
+// buffers to installing its outputs, which makes each op one atomic
+// read-modify-write of its storages, as each in-place op on CPU memory is for
+// the values it reads. Execution is asynchronous, so it covers an enqueue,
+// not the computation. Fused graphs write these fields under both their own
+// lock and this one. Never take the GIL or the fused graph's lock under it.
+std::mutex& storage_mutex();
+// A reference to the storage's buffer (null: never written): it keeps the
+// buffer alive while the caller reads it, whatever other threads install.
+pjrt::BufferPtr buffer_of(const StorageState& st);
+// Gives the storage a new value (and clears `lost`).
+void install_buffer(StorageState& st, pjrt::BufferPtr buffer);
+
 // Raises when `st` lost its value to a failed graph.
 void check_has_value(const StorageState& st);
 
@@ -49,6 +65,14 @@ const std::string& plugin_path();
 pjrt::Client& client();
 graph::CompileCache& compile_cache();
 bool runtime_started();
+
+// fork() after the runtime started leaves the child a runtime without the
+// plugin's threads: any device work would hang. As CUDA does, the child is in
+// a "bad fork": every device entry point (allocation, ops, copies, reads,
+// sync) raises at once; CPU work, tensor metadata, device_count() and freeing
+// inherited tensors (leaked, not released) keep working.
+bool in_bad_fork();
+void check_not_forked();
 
 int device_count();
 int current_device();

@@ -131,7 +131,8 @@ struct KeyBuilder {
       const StorageState& st = storage_state(t.storage());
       check_has_value(st);
       num(static_cast<int64_t>(st.nbytes));
-      if (auto type = storage_type(st)) {
+      std::optional<lowering::TensorType> type = storage_type(st);
+      if (type) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
         num(type->element_count());
       } else {
@@ -139,6 +140,7 @@ struct KeyBuilder {
       }
       auto [it, fresh] = storages.emplace(&st, static_cast<int>(storages.size()));
       num(it->second);
+      if (fresh) call.storage_types.emplace_back(&st, type);
     } else if (t.device().is_cpu()) {
       // As on CUDA: CPU tensors mix in only as 0-d values, copy sources and
       // index lists; anything else is the user's device mix-up.
@@ -334,7 +336,7 @@ class CallContext final : public lowering::Context {
     if (it != params.end()) return it->second;
     std::optional<lowering::TensorType> type;
     if (!graph_) {
-      type = storage_type(st);
+      type = keyed_type(st);
     } else if (auto in = graph_->inputs.find(&st); in != graph_->inputs.end()) {
       type = in->second;
     }
@@ -343,6 +345,14 @@ class CallContext final : public lowering::Context {
     operands.push_back(OperandRef{OperandRef::Storage, arg, item});
     params.emplace(&st, p);
     return p;
+  }
+
+  // The type the op's signature saw: the plan cached under that signature
+  // must not depend on what another thread installed since.
+  std::optional<lowering::TensorType> keyed_type(const StorageState& st) const {
+    for (const auto& [keyed, type] : call_.storage_types)
+      if (keyed == &st) return type;
+    return storage_type(st);
   }
 
   graph::StridedView view_of(const at::Tensor& t) const {
@@ -755,29 +765,41 @@ void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
 }
 
 // Strict and debug modes: runs the op's own program now (asynchronously).
-void execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
-  std::vector<pjrt::BufferPtr> holders;
-  std::vector<pjrt::Buffer*> buffers;
-  for (const OperandRef& ref : cached.operands) {
-    holders.push_back(operand_buffer(call, ref));
-    buffers.push_back(holders.back().get());
-  }
-  auto result = cached.exe->execute(buffers);
-  ++metrics().executions;
-  ++metrics().lowered_ops[op_name(call.schema)];
+// Returns false (nothing run) when another thread changed an operand storage's
+// type since the signature was taken: the caller plans the op again.
+bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_t nargs) {
   std::vector<at::Tensor> outs = output_tensors(call, cached);
-  size_t produced = 0;
-  for (const at::Tensor& t : outs) {
-    if (!t.defined()) continue;
-    StorageState& st = storage_state(t.storage());
-    st.buffer = result.outputs[produced++];
-    st.lost.reset();
+  std::vector<pjrt::BufferPtr> holders(cached.operands.size());
+  for (size_t i = 0; i < holders.size(); ++i)  // uploads and RNG draws need no lock
+    if (cached.operands[i].kind != OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
+  pjrt::LoadedExecutable::Result result;
+  std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
+  {
+    // One step for every other thread: read the operands, enqueue, install.
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    if (!storages_as_keyed(call)) return false;
+    std::vector<pjrt::Buffer*> buffers;
+    for (size_t i = 0; i < holders.size(); ++i) {
+      if (cached.operands[i].kind == OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
+      buffers.push_back(holders[i].get());
+    }
+    result = cached.exe->execute(buffers);
+    size_t produced = 0;
+    for (const at::Tensor& t : outs) {
+      if (!t.defined()) continue;
+      StorageState& st = storage_state(t.storage());
+      replaced.push_back(std::exchange(st.buffer, result.outputs[produced++]));
+      st.lost.reset();
+    }
   }
   if (cached.checks) defer_checks(result.outputs.back(), cached.checks, {graph::capture_source_location()});
+  ++metrics().executions;
+  graph::count_lowered_op(op_name(call.schema));
   track(std::move(result.done));
   if (mode() == Mode::Debug) raise_failed_checks();  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
+  return true;
 }
 
 std::mutex g_cache_mutex;
@@ -896,11 +918,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     *why = cached->unsupported;
     return false;
   }
-  if (fused) {
-    record(call, cached, stack, nargs, kb.key);
-  } else {
-    execute(call, *cached, stack, nargs);
-  }
+  bool ran = fused ? record(call, cached, stack, nargs, kb.key) : execute(call, *cached, stack, nargs);
+  if (!ran) return run_lowered(op, stack, why);  // another thread changed a storage meanwhile: plan again
   return true;
 }
 
@@ -980,9 +999,18 @@ void track(std::unique_ptr<pjrt::Event> done) {
 // What a storage holds for a program: its buffer's type, the type a recorded
 // graph will give it (pending), or nothing (never written: zeros).
 std::optional<lowering::TensorType> storage_type(const StorageState& st) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  return storage_type_locked(st);
+}
+std::optional<lowering::TensorType> storage_type_locked(const StorageState& st) {
   if (st.pending) return lowering::TensorType{st.pending_element, {st.pending_count}};
   if (st.buffer) return lowering::TensorType{st.buffer->element_type(), st.buffer->dims()};
   return std::nullopt;
+}
+bool storages_as_keyed(const Call& call) {
+  for (const auto& [st, type] : call.storage_types)
+    if (storage_type_locked(*st) != type) return false;
+  return true;
 }
 at::Tensor item_tensor(const c10::IValue& v, int item) {
   if (item < 0) return v.toTensor();
@@ -1046,6 +1074,7 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
     case OperandRef::Storage:
       break;
   }
+  // A storage's buffer: the caller holds storage_mutex().
   return storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
 }
 
@@ -1082,14 +1111,15 @@ void note_cpu_fallback(const std::string& name, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mutex);
     first = warned.insert(name).second;
-    ++metrics().cpu_fallbacks[name];
   }
+  graph::count_cpu_fallback(name);
   if (first) {
     TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
                "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");
   }
 }
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  check_not_forked();
   std::string why;
   try {
     if (run_lowered(op, stack, &why)) return;
@@ -1101,16 +1131,17 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
 
 at::Tensor to_host(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
-  if (storage_state(t.storage()).pending) flush_pending();
+  check_not_forked();
+  const StorageState& st = storage_state(t.storage());
+  pjrt::BufferPtr buffer = readable_buffer(st);  // our reference: other threads may install new ones
   raise_failed_checks();  // reading waits anyway: failed index/division checks surface here
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
-  const StorageState& st = storage_state(t.storage());
   check_has_value(st);
-  if (!st.buffer) return out.zero_();
+  if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
-  bool direct = t.is_contiguous() && t.storage_offset() == 0 && st.buffer->element_type() == e &&
-                st.buffer->element_count() == t.numel();
+  bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e &&
+                buffer->element_count() == t.numel();
   if (!direct) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
@@ -1118,7 +1149,7 @@ at::Tensor to_host(const at::Tensor& t) {
     return to_host(stack.back().toTensor());
   }
   try {
-    st.buffer->to_host(out.mutable_data_ptr());
+    buffer->to_host(out.mutable_data_ptr());
   } catch (const pjrt::Error& e) {
     TORCH_CHECK(false, "reading a tpu tensor failed: ", e.what());
   }
@@ -1127,6 +1158,7 @@ at::Tensor to_host(const at::Tensor& t) {
 }
 
 void copy_into(const at::Tensor& dst, const at::Tensor& src) {
+  check_not_forked();
   if (dst.device().type() != kTpu) {
     at::Tensor host = to_host(src);
     dst.copy_(host);
@@ -1140,9 +1172,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
     // The common `.to("tpu")`: upload straight into the storage. A recorded
     // graph that writes this storage runs first, so its result cannot land later.
-    if (st.pending) flush_pending();
-    st.buffer = upload(source.to(dst.scalar_type()), dst.device().index(), /*as_storage=*/true);
-    st.lost.reset();
+    install_after_graph(st, upload(source.to(dst.scalar_type()), dst.device().index(), /*as_storage=*/true));
     return;
   }
   torch::jit::Stack stack{dst, source, false};
@@ -1158,6 +1188,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 void synchronize() {
+  check_not_forked();
   flush_pending();
   std::deque<std::unique_ptr<pjrt::Event>> pending;
   {

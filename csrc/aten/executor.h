@@ -5,6 +5,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include "aten/device.h"
+
 namespace torch_pjrt {
 
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
@@ -24,6 +26,13 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src);
 at::Tensor to_host(const at::Tensor& tensor);
 // Fused and lazy modes: runs the recorded graph now (asynchronously).
 void flush_pending();
+// The storage's buffer for a reader, after the recorded graph if it writes
+// the storage. Taken under the graph's lock, so no graph donates it between
+// the flush and the reference (a referenced buffer is never donated).
+pjrt::BufferPtr readable_buffer(const StorageState& st);
+// Gives the storage a whole new value, after the recorded graph if it writes
+// the storage (under the graph's lock: no op records in between).
+void install_after_graph(StorageState& st, pjrt::BufferPtr buffer);
 // Runs any recorded graph, then waits for all work enqueued so far.
 void synchronize();
 

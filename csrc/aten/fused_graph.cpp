@@ -107,6 +107,7 @@ void mark_written(PendingGraph& g, const at::Tensor& t) {
   int id = storage_id(g, t.storage());
   g.written[id] = g.has_value[id] = 1;
   StorageState& st = storage_state(t.storage());
+  std::lock_guard<std::mutex> lock(storage_mutex());
   st.pending = true;
   st.lost.reset();
   st.pending_element = element_or_throw(t.scalar_type());
@@ -125,13 +126,17 @@ size_t graph_op_limit() {
 
 }  // namespace
 
-void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
+bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
             const std::string& op_key) {
   // Before the graph's lock: the capture takes the GIL, and a Python thread
   // holding the GIL may be waiting for that lock.
   graph::SourceLocation location = graph::capture_source_location();
   PendingGraph& g = pending_graph();
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  {
+    std::lock_guard<std::mutex> storages(storage_mutex());
+    if (!storages_as_keyed(call)) return false;  // another thread wrote a storage first: plan again
+  }
   if (g.device >= 0 && g.device != call.device) run_graph(g);
   g.device = call.device;
   // Operands in the order the op's lowering asks for them (see emit()).
@@ -156,9 +161,9 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     int id = storage_id(g, storage);
     if (g.has_value[id]) continue;  // an earlier op wrote it, or it is already a parameter
     g.has_value[id] = 1;
-    const StorageState& st = storage_state(storage);
-    g.inputs.inputs.emplace(&st, lowering::TensorType{st.buffer->element_type(), st.buffer->dims()});
-    g.operands.push_back(st.buffer);
+    pjrt::BufferPtr buffer = buffer_of(storage_state(storage));
+    g.inputs.inputs.emplace(&storage_state(storage), lowering::TensorType{buffer->element_type(), buffer->dims()});
+    g.operands.push_back(std::move(buffer));
     g.operand_storage.push_back(id);
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
@@ -175,9 +180,10 @@ void record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   g.key += ';';
   g.ops.push_back(std::move(rec));
   ++metrics().fused_ops;
-  ++metrics().lowered_ops[op_name(call.schema)];
+  graph::count_lowered_op(op_name(call.schema));
   push_returns(stack, nargs, *cached, outs);
   if (mode() == Mode::Fused && g.ops.size() >= graph_op_limit()) run_graph(g);
+  return true;
 }
 
 namespace {
@@ -303,17 +309,18 @@ void explain_recompile(const PendingGraph& g) {
     } else {
       reason = "same ops; a different set of results is still in use";
     }
-    auto& reasons = metrics().recompile_reasons;
-    reasons.push_back("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
-    if (reasons.size() > 50) reasons.erase(reasons.begin());
+    graph::note_recompile_reason("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
   }
   last_keys = std::move(keys);
   last_descriptions = std::move(descriptions);
 }
 
 void clear_graph(PendingGraph& g) {
-  for (size_t id = 0; id < g.storages.size(); ++id)
-    if (g.written[id]) storage_state(g.storages[id]).pending = false;
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    for (size_t id = 0; id < g.storages.size(); ++id)
+      if (g.written[id]) storage_state(g.storages[id]).pending = false;
+  }
   g.ops.clear();
   g.operands.clear();
   g.operand_storage.clear();
@@ -345,6 +352,7 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
     if (out == output_of.end()) continue;
     const StorageState& st = storage_state(g.storages[id]);
     const pjrt::BufferPtr& buffer = g.operands[k];
+    std::lock_guard<std::mutex> lock(storage_mutex());  // readers take references under it
     if (st.buffer != buffer || buffer.use_count() != 2) continue;
     if (buffer->element_type() != st.pending_element || buffer->dims() != std::vector<int64_t>{st.pending_count})
       continue;
@@ -370,9 +378,12 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
     }
     if (deleted) consumed[g.operand_storage[operand]] = 1;
   }
-  for (size_t id = 0; id < g.storages.size(); ++id) {
-    StorageState& st = storage_state(g.storages[id]);
-    if (g.written[id] && (!st.buffer || consumed[id])) st.lost = lost;
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    for (size_t id = 0; id < g.storages.size(); ++id) {
+      StorageState& st = storage_state(g.storages[id]);
+      if (g.written[id] && (!st.buffer || consumed[id])) st.lost = lost;
+    }
   }
   clear_graph(g);
   TORCH_CHECK(false, message);
@@ -419,7 +430,7 @@ void run_graph(PendingGraph& g) {
       result.done->wait();
       compiled->ran_once = true;
     }
-    for (size_t k = 0; k < live.size(); ++k) storage_state(g.storages[live[k]]).buffer = result.outputs[k];
+    for (size_t k = 0; k < live.size(); ++k) install_buffer(storage_state(g.storages[live[k]]), result.outputs[k]);
     if (compiled->checks) {
       std::vector<graph::SourceLocation> locations;
       for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
@@ -448,9 +459,31 @@ void run_graph(PendingGraph& g) {
 }  // namespace
 
 void flush_pending() {
+  check_not_forked();  // before the lock: a thread of the parent may have held it at the fork
   PendingGraph& g = pending_graph();
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);
+}
+
+namespace {
+bool is_pending(const StorageState& st) {
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  return st.pending;
+}
+}  // namespace
+
+pjrt::BufferPtr readable_buffer(const StorageState& st) {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (is_pending(st)) run_graph(g);
+  return buffer_of(st);
+}
+
+void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (is_pending(st)) run_graph(g);
+  install_buffer(st, std::move(buffer));
 }
 
 }  // namespace torch_pjrt

@@ -77,6 +77,10 @@ struct Call {
   // it writes some arguments besides its returns (batch norm's running stats).
   bool returns_written = false;
   int device = -1;
+  // Each tpu storage of the call with the type its signature saw. Threads:
+  // running the op checks them again under storage_mutex() (storages_as_keyed)
+  // and plans again if another thread gave a storage another type meanwhile.
+  std::vector<std::pair<const StorageState*, std::optional<lowering::TensorType>>> storage_types;
 };
 
 // Where a fused graph keeps the current value of each storage it touches.
@@ -124,6 +128,8 @@ ElementType element_or_throw(at::ScalarType t);
 std::string op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 at::Tensor item_tensor(const c10::IValue& v, int item);
 std::optional<lowering::TensorType> storage_type(const StorageState& st);
+std::optional<lowering::TensorType> storage_type_locked(const StorageState& st);  // caller holds storage_mutex()
+bool storages_as_keyed(const Call& call);                                          // caller holds storage_mutex()
 
 // Keeps an execution's completion event; debug mode waits for it at once.
 void track(std::unique_ptr<pjrt::Event> done);
@@ -136,6 +142,7 @@ std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cac
 // "aten::add.Tensor(Float[3, 4], Float[4])": an op and its tensor arguments, for errors.
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args);
 
+// Storage operands: the caller holds storage_mutex().
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);

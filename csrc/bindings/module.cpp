@@ -32,10 +32,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
   m.def("_runtime_started", &runtime_started);
+  m.def("_is_in_bad_fork", &in_bad_fork);
+  m.def("_check_not_forked", &check_not_forked);
   m.def("_device_count", &device_count);
   m.def("_current_device", &current_device);
   m.def("_set_device", &set_current_device);
-  m.def("_synchronize", &synchronize);
+  // Waiting for the device or a graph never holds the GIL: threads recording
+  // ops take it to note their source line.
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("_synchronize", &synchronize, release_gil());
   m.def("_platform", [] {
     auto& c = client();
     return py::dict(py::arg("name") = c.platform_name(), py::arg("version") = c.platform_version(),
@@ -50,7 +55,7 @@ PYBIND11_MODULE(_C, m) {
     TORCH_CHECK(it != modes.end(), "unknown torch_pjrt mode '", name, "': expected debug, strict, fused or lazy");
     flush_pending();  // a recorded graph runs under the mode that recorded it
     set_mode(it->second);
-  });
+  }, release_gil());
   m.def("_get_mode", [] {
     switch (mode()) {
       case Mode::Debug: return "debug";
@@ -60,7 +65,7 @@ PYBIND11_MODULE(_C, m) {
     }
     return "strict";
   });
-  m.def("_sync", &flush_pending);
+  m.def("_sync", &flush_pending, release_gil());
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -83,29 +88,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reset_peak_memory", &reset_peak_memory);
   m.def("_lowered_ops", &lowering::lowered_op_names);
   m.def("_metrics", [] {
-    const auto& s = graph::metrics();
+    const graph::Metrics s = graph::metrics_snapshot();
     py::dict d;
-    d["compiles"] = s.compiles;
-    d["compile_seconds"] = s.compile_seconds;
-    d["compile_cache_hits"] = s.compile_cache_hits;
-    d["disk_cache_hits"] = s.disk_cache_hits;
-    d["disk_cache_misses"] = s.disk_cache_misses;
-    d["disk_cache_writes"] = s.disk_cache_writes;
-    d["disk_cache_corrupt"] = s.disk_cache_corrupt;
-    d["disk_cache_evictions"] = s.disk_cache_evictions;
-    d["disk_cache_load_seconds"] = s.disk_cache_load_seconds;
-    d["graph_lowering_seconds"] = s.graph_lowering_seconds;
-    d["op_cache_hits"] = s.op_cache_hits;
-    d["op_cache_misses"] = s.op_cache_misses;
-    d["executions"] = s.executions;
-    d["fused_ops"] = s.fused_ops;
-    d["graphs"] = s.graphs;
-    d["graph_cache_hits"] = s.graph_cache_hits;
-    d["donated_buffers"] = s.donated_buffers;
-    d["check_status_reads"] = s.check_status_reads;
-    d["donated_bytes"] = s.donated_bytes;
-    d["host_to_device_bytes"] = s.host_to_device_bytes;
-    d["device_to_host_bytes"] = s.device_to_host_bytes;
+    d["compiles"] = s.compiles.get();
+    d["compile_seconds"] = s.compile_seconds.get();
+    d["compile_cache_hits"] = s.compile_cache_hits.get();
+    d["disk_cache_hits"] = s.disk_cache_hits.get();
+    d["disk_cache_misses"] = s.disk_cache_misses.get();
+    d["disk_cache_writes"] = s.disk_cache_writes.get();
+    d["disk_cache_corrupt"] = s.disk_cache_corrupt.get();
+    d["disk_cache_evictions"] = s.disk_cache_evictions.get();
+    d["disk_cache_load_seconds"] = s.disk_cache_load_seconds.get();
+    d["graph_lowering_seconds"] = s.graph_lowering_seconds.get();
+    d["op_cache_hits"] = s.op_cache_hits.get();
+    d["op_cache_misses"] = s.op_cache_misses.get();
+    d["executions"] = s.executions.get();
+    d["fused_ops"] = s.fused_ops.get();
+    d["graphs"] = s.graphs.get();
+    d["graph_cache_hits"] = s.graph_cache_hits.get();
+    d["donated_buffers"] = s.donated_buffers.get();
+    d["donated_bytes"] = s.donated_bytes.get();
+    d["check_status_reads"] = s.check_status_reads.get();
+    d["host_to_device_bytes"] = s.host_to_device_bytes.get();
+    d["device_to_host_bytes"] = s.device_to_host_bytes.get();
     d["cpu_fallbacks"] = s.cpu_fallbacks;
     d["lowered_ops"] = s.lowered_ops;
     d["recompile_reasons"] = s.recompile_reasons;
@@ -117,5 +122,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
     flush_pending();
     return storage_buffer_address(storage_data_ptr);
-  });
+  }, release_gil());
 }

@@ -17,7 +17,37 @@ Metrics& metrics() {
   return m;
 }
 
-void reset_metrics() { metrics() = Metrics{}; }
+std::mutex& metrics_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+void count_lowered_op(const std::string& name) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  ++metrics().lowered_ops[name];
+}
+
+void count_cpu_fallback(const std::string& name) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  ++metrics().cpu_fallbacks[name];
+}
+
+void note_recompile_reason(std::string reason) {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  auto& reasons = metrics().recompile_reasons;
+  reasons.push_back(std::move(reason));
+  if (reasons.size() > 50) reasons.erase(reasons.begin());
+}
+
+Metrics metrics_snapshot() {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  return metrics();
+}
+
+void reset_metrics() {
+  std::lock_guard<std::mutex> lock(metrics_mutex());
+  metrics() = Metrics{};
+}
 
 namespace {
 
@@ -58,10 +88,13 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
   // executable.
   pjrt::CompileOptions compile_options = options(effort);
   std::string key = std::to_string(device_index) + "\n" + compile_options.serialize() + "\n" + program;
-  auto it = entries_.find(key);
-  if (it != entries_.end()) {
-    ++metrics().compile_cache_hits;
-    return it->second;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(key);
+    if (it != entries_.end()) {
+      ++metrics().compile_cache_hits;
+      return it->second;
+    }
   }
   pjrt::ExecutablePtr exe;
   if (disk_) {
@@ -91,8 +124,8 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
       }
     }
   }
-  entries_.emplace(std::move(key), exe);
-  return exe;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return entries_.emplace(std::move(key), exe).first->second;
 }
 
 }  // namespace torch_pjrt::graph

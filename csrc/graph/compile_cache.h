@@ -3,6 +3,7 @@
 // (TORCH_PJRT_CACHE_DIR), else compiled and written to both.
 #pragma once
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -23,12 +24,19 @@ class CompileCache {
   pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
   // The options a program of `effort` is compiled with (part of the cache key).
   pjrt::CompileOptions options(Effort effort) const;
-  size_t size() const { return entries_.size(); }
-  void clear() { entries_.clear(); }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_.size();
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.clear();
+  }
 
  private:
   std::shared_ptr<pjrt::Client> client_;
   std::unique_ptr<DiskCache> disk_;
+  mutable std::mutex mutex_;  // guards entries_; compiles run outside it (a race compiles twice, harmlessly)
   std::unordered_map<std::string, pjrt::ExecutablePtr> entries_;  // key: device + program
 };
 

@@ -1,6 +1,9 @@
 // Process-wide counters that explain where time goes: compiles, cache hits,
-// executions, transfers and CPU fallbacks (per op).
+// executions, transfers and CPU fallbacks (per op). Any thread may update
+// them: counters are atomics, the maps and lists go through the functions
+// below (one mutex), and Python reads a consistent copy (metrics_snapshot).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -9,34 +12,68 @@
 
 namespace torch_pjrt::graph {
 
+// A number any thread may add to. Copying reads it, so the whole Metrics
+// struct can still be copied (a snapshot) and reset by assignment.
+template <typename T>
+class Counter {
+ public:
+  Counter() = default;
+  Counter(const Counter& other) : value_(other.get()) {}
+  Counter& operator=(const Counter& other) {
+    value_.store(other.get(), std::memory_order_relaxed);
+    return *this;
+  }
+  Counter& operator++() {
+    value_.fetch_add(1, std::memory_order_relaxed);
+    return *this;
+  }
+  Counter& operator+=(T delta) {
+    value_.fetch_add(delta, std::memory_order_relaxed);
+    return *this;
+  }
+  T get() const { return value_.load(std::memory_order_relaxed); }
+  operator T() const { return get(); }
+
+ private:
+  std::atomic<T> value_{0};
+};
+using Count = Counter<int64_t>;
+using Seconds = Counter<double>;
+
 struct Metrics {
-  int64_t compiles = 0;
-  double compile_seconds = 0;
-  int64_t compile_cache_hits = 0;  // program text already compiled (memory tier)
-  int64_t disk_cache_hits = 0;     // loaded from TORCH_PJRT_CACHE_DIR instead of compiling
-  int64_t disk_cache_misses = 0;
-  int64_t disk_cache_writes = 0;
-  int64_t disk_cache_corrupt = 0;  // entries that failed to verify (rebuilt)
-  int64_t disk_cache_evictions = 0;
-  double disk_cache_load_seconds = 0;  // reading and deserializing executables
-  double graph_lowering_seconds = 0;   // fused graphs lowered to StableHLO (cache misses by structure)
-  int64_t op_cache_hits = 0;       // op signature seen before: no lowering at all
-  int64_t op_cache_misses = 0;
-  int64_t executions = 0;
-  int64_t fused_ops = 0;         // ops recorded into fused graphs
-  int64_t graphs = 0;            // fused graphs run
-  int64_t graph_cache_hits = 0;  // graphs found by structure, nothing lowered
-  int64_t donated_buffers = 0;   // graph inputs whose buffer an in-place result reused
-  int64_t donated_bytes = 0;
-  int64_t check_status_reads = 0;  // runtime-check statuses read at host waits (one per checked program)
-  int64_t host_to_device_bytes = 0;
-  int64_t device_to_host_bytes = 0;
+  Count compiles;
+  Seconds compile_seconds;
+  Count compile_cache_hits;  // program text already compiled (memory tier)
+  Count disk_cache_hits;     // loaded from TORCH_PJRT_CACHE_DIR instead of compiling
+  Count disk_cache_misses;
+  Count disk_cache_writes;
+  Count disk_cache_corrupt;  // entries that failed to verify (rebuilt)
+  Count disk_cache_evictions;
+  Seconds disk_cache_load_seconds;  // reading and deserializing executables
+  Seconds graph_lowering_seconds;   // fused graphs lowered to StableHLO (cache misses by structure)
+  Count op_cache_hits;       // op signature seen before: no lowering at all
+  Count op_cache_misses;
+  Count executions;
+  Count fused_ops;         // ops recorded into fused graphs
+  Count graphs;            // fused graphs run
+  Count graph_cache_hits;  // graphs found by structure, nothing lowered
+  Count donated_buffers;   // graph inputs whose buffer an in-place result reused
+  Count donated_bytes;
+  Count check_status_reads;  // runtime-check statuses read at host waits (one per checked program)
+  Count host_to_device_bytes;
+  Count device_to_host_bytes;
+  // Guarded by metrics_mutex(): update through the functions below.
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
   std::map<std::string, int64_t> lowered_ops;    // op name -> executions
   std::vector<std::string> recompile_reasons;    // fused graphs: why a graph compiled again (latest 50)
 };
 
 Metrics& metrics();
+std::mutex& metrics_mutex();
+void count_lowered_op(const std::string& name);
+void count_cpu_fallback(const std::string& name);
+void note_recompile_reason(std::string reason);
+Metrics metrics_snapshot();
 void reset_metrics();
 
 }  // namespace torch_pjrt::graph

@@ -27,6 +27,7 @@ ElementType from_pjrt(PJRT_Buffer_Type t) {
 }  // namespace
 
 Event::~Event() {
+  if (in_forked_child()) return;
   auto args = PJRT_ARGS(PJRT_Event_Destroy_Args);
   args.event = event_;
   plugin_->api()->PJRT_Event_Destroy(&args);
@@ -61,6 +62,7 @@ Buffer::Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer) : plugin_(st
 }
 
 Buffer::~Buffer() {
+  if (in_forked_child()) return;
   auto args = PJRT_ARGS(PJRT_Buffer_Destroy_Args);
   args.buffer = buffer_;
   plugin_->api()->PJRT_Buffer_Destroy(&args);

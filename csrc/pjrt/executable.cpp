@@ -20,6 +20,7 @@ LoadedExecutable::LoadedExecutable(std::shared_ptr<Plugin> plugin, PJRT_Device* 
 }
 
 LoadedExecutable::~LoadedExecutable() {
+  if (in_forked_child()) return;
   auto args = PJRT_ARGS(PJRT_LoadedExecutable_Destroy_Args);
   args.executable = exe_;
   plugin_->api()->PJRT_LoadedExecutable_Destroy(&args);

@@ -7,11 +7,17 @@
 
 namespace torch_pjrt::pjrt {
 
+// Whether torch_pjrt can use a plugin's function table, following the PJRT C
+// API's versioning: the major version must equal our header's. A newer minor
+// is fine (we call only functions our header knows, passing our struct
+// sizes, which plugins accept or reject with a clear error). An older minor
+// is fine if its table (struct_size bytes) holds every function we call.
+// Returns "" when usable, else why not. Reads `api` only within struct_size.
+std::string api_incompatibility(const PJRT_Api& api);
+
 class Plugin {
  public:
-  // Loads `path` (dlopen) and initializes it. Refuses a plugin whose PJRT API
-  // is newer than the header we were compiled with: its structs would be
-  // larger than ours and calls would be rejected or misread.
+  // Loads `path` (dlopen), checks api_incompatibility() and initializes it.
   static std::shared_ptr<Plugin> load(const std::string& path);
 
   const PJRT_Api* api() const { return api_; }
@@ -29,6 +35,13 @@ class Plugin {
   void* handle_;  // never dlclosed: plugins keep threads and atexit hooks
   const PJRT_Api* api_;
 };
+
+// fork(): the child inherits the parent's PJRT objects but none of the
+// plugin's threads, so a call into the plugin may block forever. The fork
+// handler marks the child; from then on the destructors of buffers, events,
+// executables and clients call nothing (the child's exit reclaims memory).
+void mark_forked_child();
+bool in_forked_child();
 
 // Zero-initialized args struct with struct_size set, as every PJRT call wants.
 template <typename Args>

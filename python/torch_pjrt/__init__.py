@@ -100,7 +100,7 @@ def sync() -> None:
 def _end_of_step(optimizer, args, kwargs) -> None:
     # Fused mode cuts graphs at optimizer steps: every training step is then
     # the same graph, compiled once, whatever the loop reads in between.
-    if _C._get_mode() == "fused":
+    if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
 
 
@@ -119,7 +119,9 @@ def _module_enter(module, args) -> None:
 def _module_exit(module, args, output) -> None:
     depth = max(getattr(_module_calls, "depth", 1) - 1, 0)
     _module_calls.depth = depth
-    if depth == 0 and not torch.is_grad_enabled() and _C._get_mode() == "fused":
+    # A forked DataLoader worker that runs modules on the CPU must not touch
+    # the graph it inherited from the parent.
+    if depth == 0 and not torch.is_grad_enabled() and _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
 
 

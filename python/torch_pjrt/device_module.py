@@ -18,6 +18,7 @@ _initialized = False
 
 def _lazy_init() -> None:
     global _initialized
+    _C._check_not_forked()  # as CUDA: a child forked after the runtime started cannot use it
     if not _initialized:
         _C._device_count()  # starts the runtime; raises with the plugin's message
         _initialized = True
@@ -35,7 +36,8 @@ def is_initialized() -> bool:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """True in a child forked after the tpu runtime started: device work raises there."""
+    return _C._is_in_bad_fork()
 
 
 def device_count() -> int:

@@ -157,6 +157,53 @@ TEST(Runtime, MissingPluginRaises) {
   EXPECT_THROW(pjrt::Plugin::load("/nonexistent/plugin.so"), pjrt::Error);
 }
 
+// The PJRT version rule: same major; a newer minor is fine; an older minor is
+// fine when its function table holds every function torch_pjrt calls. Fakes
+// are copies of the real plugin's table with their version or size changed.
+namespace {
+PJRT_Api fake_api(int major, int minor, size_t struct_size) {
+  PJRT_Api api = *client()->plugin()->api();
+  api.pjrt_api_version.major_version = major;
+  api.pjrt_api_version.minor_version = minor;
+  api.struct_size = struct_size;
+  return api;
+}
+bool mentions(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+}  // namespace
+
+TEST(PluginVersion, TheInstalledPluginIsUsable) {
+  EXPECT_EQ(pjrt::api_incompatibility(*client()->plugin()->api()), "");
+}
+
+TEST(PluginVersion, NewerMinorIsAccepted) {
+  EXPECT_EQ(pjrt::api_incompatibility(fake_api(PJRT_API_MAJOR, PJRT_API_MINOR + 7, PJRT_Api_STRUCT_SIZE + 64)), "");
+}
+
+TEST(PluginVersion, OlderMinorWithEveryFunctionWeCallIsAccepted) {
+  // Functions appended after the ones we call are absent: nothing we need.
+  size_t size = offsetof(PJRT_Api, PJRT_Executable_OutputElementTypes);
+  EXPECT_EQ(pjrt::api_incompatibility(fake_api(PJRT_API_MAJOR, PJRT_API_MINOR - 30, size)), "");
+}
+
+TEST(PluginVersion, OlderMinorMissingAFunctionWeCallIsRefusedByName) {
+  size_t size = PJRT_STRUCT_SIZE(PJRT_Api, PJRT_Buffer_ReadyEvent);  // ends before PJRT_Buffer_UnsafePointer
+  std::string why = pjrt::api_incompatibility(fake_api(PJRT_API_MAJOR, PJRT_API_MINOR - 1, size));
+  EXPECT_TRUE(mentions(why, "lacks functions torch_pjrt calls: PJRT_Buffer_UnsafePointer")) << why;
+  EXPECT_FALSE(mentions(why, "PJRT_Buffer_ReadyEvent")) << why;
+
+  PJRT_Api null_slot = fake_api(PJRT_API_MAJOR, PJRT_API_MINOR - 1, PJRT_Api_STRUCT_SIZE);
+  null_slot.PJRT_Client_Compile = nullptr;
+  why = pjrt::api_incompatibility(null_slot);
+  EXPECT_TRUE(mentions(why, "PJRT_Client_Compile")) << why;
+}
+
+TEST(PluginVersion, OtherMajorOrTruncatedTableIsRefused) {
+  std::string why = pjrt::api_incompatibility(fake_api(PJRT_API_MAJOR + 1, 0, PJRT_Api_STRUCT_SIZE));
+  EXPECT_TRUE(mentions(why, "major versions are incompatible")) << why;
+  why = pjrt::api_incompatibility(fake_api(PJRT_API_MAJOR, PJRT_API_MINOR, 8));
+  EXPECT_TRUE(mentions(why, "too small")) << why;
+}
+
 // The persistent tier: a second cache over the same directory loads instead
 // of compiling; a corrupt entry is dropped and rebuilt; another identity misses.
 TEST(CompileCache, DiskTierWarmStartCorruptionAndIdentity) {
