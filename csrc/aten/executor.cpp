@@ -242,6 +242,43 @@ c10::IValue meta_value(const c10::IValue& v) {
 }
 
 
+// PyTorch's meta kernels leave out checks that its CPU kernels make on empty
+// inputs (max() of an empty tensor, max(dim) over an empty dim). When an
+// input is empty, the CPU kernel runs once per signature on zero-filled
+// stand-ins of the same sizes and dtypes, so its error (type and message) is
+// raised here. Small operands only: the stand-ins are real CPU tensors.
+void check_empty_inputs_on_cpu(const Call& call) {
+  bool any_empty = false;
+  int64_t total = 0;
+  for (const auto& v : call.args) {
+    if (v.isGenerator() && !v.isNone()) return;
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        any_empty = any_empty || t.numel() == 0;
+        total += t.numel();
+      }
+      return t;
+    });
+  }
+  if (!any_empty || total > (1 << 16)) return;
+  torch::jit::Stack stack;
+  for (const auto& v : call.args) {
+    if (v.isDevice()) {
+      stack.push_back(c10::Device(at::kCPU));
+      continue;
+    }
+    stack.push_back(map_tensors(v, [](const at::Tensor& t) {
+      if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
+      return at::zeros(t.sizes(), t.options().device(at::kCPU));
+    }));
+  }
+  try {
+    call.op.callBoxed(&stack);
+  } catch (const c10::NotImplementedError&) {
+    // No CPU kernel to ask: the meta kernel's checks are all there are.
+  }
+}
+
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
   torch::jit::Stack stack;
@@ -454,6 +491,7 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   auto cached = std::make_shared<CachedOp>();
+  check_empty_inputs_on_cpu(call);
   cached->meta = infer_meta(call);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;

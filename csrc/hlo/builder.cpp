@@ -185,7 +185,24 @@ Value Builder::unary(std::string_view op, Value x) { return emit(op, {x}, "", x.
 
 Value Builder::binary(std::string_view op, Value a, Value b) {
   PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
+  if (op == "maximum") return max(a, b);
+  if (op == "minimum") return min(a, b);
   return emit(op, {a, b}, "", a.type);
+}
+
+// Where either operand is NaN, that operand; elsewhere the plain op.
+Value Builder::nan_propagating(const char* op, Value a, Value b) {
+  PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
+  Value r = emit(op, {a, b}, "", a.type);
+  if (!is_float(a.element())) return r;
+  r = select(compare(b, b, Compare::NE), b, r);
+  return select(compare(a, a, Compare::NE), a, r);
+}
+Value Builder::max(Value a, Value b) {
+  return a.element() == ElementType::Pred ? emit("or", {a, b}, "", a.type) : nan_propagating("maximum", a, b);
+}
+Value Builder::min(Value a, Value b) {
+  return a.element() == ElementType::Pred ? emit("and", {a, b}, "", a.type) : nan_propagating("minimum", a, b);
 }
 
 Value Builder::compare(Value a, Value b, Compare direction) {
@@ -197,7 +214,10 @@ Value Builder::select(Value pred, Value on_true, Value on_false) {
   return emit("select", {pred, on_true, on_false}, "", on_true.type);
 }
 
-Value Builder::clamp(Value lo, Value x, Value hi) { return emit("clamp", {lo, x, hi}, "", x.type); }
+Value Builder::clamp(Value lo, Value x, Value hi) {
+  if (!is_float(x.element())) return emit("clamp", {lo, x, hi}, "", x.type);
+  return min(max(x, lo), hi);
+}
 
 Value Builder::convert(Value x, ElementType to) {
   if (x.element() == to) return x;
@@ -302,9 +322,23 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type) {
     case Reducer::Or: op = "or"; break;
   }
   std::string t = scalar.str();
-  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r + " = \"stablehlo." + op + "\"(" + a +
-         ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n      \"stablehlo.return\"(" + r + ") : (" + t +
-         ") -> ()\n    }";
+  std::string body = "      " + r + " = \"stablehlo." + op + "\"(" + a + ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n";
+  if (is_float(type) && (reducer == Reducer::Max || reducer == Reducer::Min)) {
+    // NaN propagates, as in max(): a NaN operand is the result.
+    std::string p = TensorType{ElementType::Pred, {}}.str();
+    auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
+    auto pick_nan = [&](const std::string& x, const std::string& rest) {
+      std::string isnan = fresh(), out = fresh();
+      body += "      " + isnan + " = \"stablehlo.compare\"(" + x + ", " + x + ") " + compare_attr(Compare::NE) + " : (" +
+              t + ", " + t + ") -> " + p + "\n";
+      body += "      " + out + " = \"stablehlo.select\"(" + isnan + ", " + x + ", " + rest + ") : (" + p + ", " + t +
+              ", " + t + ") -> " + t + "\n";
+      return out;
+    };
+    r = pick_nan(a, pick_nan(b, r));
+  }
+  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n" + body + "      \"stablehlo.return\"(" + r +
+         ") : (" + t + ") -> ()\n    }";
 }
 
 Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {

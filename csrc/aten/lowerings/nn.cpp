@@ -262,8 +262,9 @@ Value spatial_positions(Builder& b, const Dims& dims, size_t lead) {
   return pos;
 }
 
-// max_pool{1,2,3}d_with_indices: values and flat spatial indices. Ties keep
-// the first position, NaN wins, as on CPU.
+// max_pool{1,2,3}d_with_indices: values and flat spatial indices. As the CPU
+// kernel (`val > max || isnan(val)`): ties keep the first position, and the
+// last NaN in a window wins.
 std::vector<Value> max_pool(Context& c, size_t n) {
   Value x = c.tensor("self");
   Pool p = pool_of(c, x.dims(), c.output(0).dims, n);
@@ -279,10 +280,7 @@ std::vector<Value> max_pool(Context& c, size_t n) {
       return;
     }
     Value take = c.b.compare(v, *best, Compare::GT);
-    if (is_float(v.element())) {
-      Value v_nan = c.b.compare(v, v, Compare::NE), best_num = c.b.compare(*best, *best, Compare::EQ);
-      take = c.b.binary("or", take, c.b.binary("and", v_nan, best_num));
-    }
+    if (is_float(v.element())) take = c.b.binary("or", take, c.b.compare(v, v, Compare::NE));
     best = c.b.select(take, v, *best);
     best_i = c.b.select(take, i, *best_i);
   });

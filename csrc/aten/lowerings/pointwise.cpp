@@ -41,7 +41,6 @@ UNARY(tanh, "tanh")
 UNARY(sigmoid, "logistic")
 UNARY(ceil, "ceil")
 UNARY(floor, "floor")
-UNARY(sign, "sign")
 UNARY(asin, "chlo.asin")
 UNARY(acos, "chlo.acos")
 UNARY(atan, "chlo.atan")
@@ -54,15 +53,32 @@ UNARY(erf, "chlo.erf")
 UNARY(erfc, "chlo.erfc")
 UNARY(erfinv, "chlo.erf_inv")
 UNARY(lgamma, "chlo.lgamma")
-UNARY(digamma, "chlo.digamma")
 #undef UNARY
+
+// sign(NaN) is 0 on the CPU.
+std::vector<Value> lower_sign(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  Value s = c.b.unary("sign", x);
+  if (!is_float(o.compute)) return {s};
+  return {c.b.select(c.b.compare(x, x, hlo::Compare::NE), full(c.b, 0, x), s)};
+}
+// digamma(+-0) is -+inf on the CPU (the pole's one-sided limit); chlo gives NaN.
+Value digamma(Builder& b, Value x) {
+  Value pole = b.unary("negate", b.binary("divide", full(b, 1, x), x));  // -1/x: -inf at +0, +inf at -0
+  return b.select(b.compare(x, full(b, 0, x), hlo::Compare::EQ), pole, b.unary("chlo.digamma", x));
+}
+std::vector<Value> lower_digamma(Context& c) {
+  Out o(c);
+  return {digamma(c.b, in(c, o))};
+}
 
 // polygamma(0, x) is digamma. (chlo.polygamma for n >= 1 loses all accuracy
 // at negative x in f32, so those run on the CPU.)
 std::vector<Value> lower_polygamma(Context& c) {
   Out o(c);
   if (!is_float(o.compute) || c.int_arg("n") != 0) throw Unsupported("polygamma with n >= 1");
-  return {c.b.unary("chlo.digamma", in(c, o))};
+  return {digamma(c.b, in(c, o))};
 }
 // special_zeta(x, q): the Hurwitz zeta function.
 std::vector<Value> lower_zeta(Context& c) {
@@ -355,7 +371,14 @@ std::vector<Value> lower_gelu(Context& c) {
   Out o(c);
   Value x = in(c, o);
   bool tanh = c.has("approximate") && c.string_arg("approximate") == "tanh";
-  if (!tanh) return {c.b.binary("multiply", x, erf_cdf(c.b, x))};
+  if (!tanh) {
+    // At -inf the CPU computes -inf * 0 = NaN; at +inf its vectorized float
+    // kernels (all but f64) give NaN too. Match them rather than the limits.
+    Value r = c.b.binary("multiply", x, erf_cdf(c.b, x));
+    r = c.b.select(c.b.compare(x, full(c.b, -INFINITY, x), hlo::Compare::EQ), full(c.b, NAN, x), r);
+    if (o.element == ElementType::F64) return {r};
+    return {c.b.select(c.b.compare(x, full(c.b, INFINITY, x), hlo::Compare::EQ), full(c.b, NAN, x), r)};
+  }
   Value t = c.b.unary("tanh", tanh_inner(c.b, x));
   return {c.b.binary("multiply", c.b.binary("multiply", full(c.b, 0.5, x), x), c.b.binary("add", full(c.b, 1, x), t))};
 }
@@ -403,14 +426,15 @@ std::vector<Value> lower_tanh_backward(Context& c) {
 std::vector<Value> lower_threshold(Context& c) {
   Out o(c);
   Value x = in(c, o);
-  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
-  return {c.b.select(keep, x, operand(c, "value", o.compute, o.dims))};
+  // As the CPU kernel: x <= threshold is replaced, so NaN stays.
+  Value replace = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::LE);
+  return {c.b.select(replace, operand(c, "value", o.compute, o.dims), x)};
 }
 std::vector<Value> lower_threshold_backward(Context& c) {
   Out o(c);
   Value g = in(c, o, "grad_output"), x = in(c, o);
-  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
-  return {c.b.select(keep, g, full(c.b, 0, g))};
+  Value drop = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::LE);  // NaN passes g
+  return {c.b.select(drop, full(c.b, 0, g), g)};
 }
 std::vector<Value> lower_leaky_relu(Context& c) {
   Out o(c);
