@@ -5,6 +5,7 @@
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -242,40 +243,58 @@ c10::IValue meta_value(const c10::IValue& v) {
 }
 
 
-// PyTorch's meta kernels leave out checks that its CPU kernels make on empty
-// inputs (max() of an empty tensor, max(dim) over an empty dim). When an
-// input is empty, the CPU kernel runs once per signature on zero-filled
-// stand-ins of the same sizes and dtypes, so its error (type and message) is
-// raised here. Small operands only: the stand-ins are real CPU tensors.
-void check_empty_inputs_on_cpu(const Call& call) {
-  bool any_empty = false;
-  int64_t total = 0;
-  for (const auto& v : call.args) {
-    if (v.isGenerator() && !v.isNone()) return;
+// PyTorch's meta kernels leave out some checks its CPU kernels make: on
+// empty inputs (max() of an empty tensor, max(dim) over an empty dim) and on
+// out= tensors of another dtype (bitwise_not(int, out=half), amax, tril). For
+// such calls the CPU kernel runs once per signature on stand-ins of the same
+// sizes and dtypes, so its error (type and message) is raised here.
+bool meta_may_miss_an_error(const Call& call, int64_t* total) {
+  bool any_empty = false, out_dtype_differs = false;
+  std::set<at::ScalarType> input_dtypes;
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    const auto& v = call.args[i];
+    if (v.isGenerator() && !v.isNone()) return false;
+    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
     map_tensors(v, [&](const at::Tensor& t) {
-      if (t.defined()) {
-        any_empty = any_empty || t.numel() == 0;
-        total += t.numel();
-      }
+      if (!t.defined()) return t;
+      any_empty = any_empty || t.numel() == 0;
+      *total += t.numel();
+      if (!written && !t.unsafeGetTensorImpl()->is_wrapped_number()) input_dtypes.insert(t.scalar_type());
       return t;
     });
   }
-  if (!any_empty || total > (1 << 16)) return;
+  // out= (not in-place: self is not written) of a dtype no input has.
+  if (call.returns_written && !call.schema.arguments().empty() && call.schema.arguments()[0].name() == "self" &&
+      std::find(call.written.begin(), call.written.end(), 0) == call.written.end()) {
+    for (int a : call.written)
+      out_dtype_differs = out_dtype_differs || !input_dtypes.count(call.args[a].toTensor().scalar_type());
+  }
+  return any_empty || (out_dtype_differs && !input_dtypes.empty());
+}
+void check_on_cpu_where_meta_may_not(const Call& call) {
+  int64_t total = 0;
+  if (!meta_may_miss_an_error(call, &total) || total > (int64_t{1} << 22)) return;
   torch::jit::Stack stack;
-  for (const auto& v : call.args) {
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    const auto& v = call.args[i];
     if (v.isDevice()) {
       stack.push_back(c10::Device(at::kCPU));
       continue;
     }
-    stack.push_back(map_tensors(v, [](const at::Tensor& t) {
+    // Ones (valid divisors), but zeros for indices (valid for any size).
+    bool index = call.schema.arguments()[i].name().find("ind") != std::string::npos;
+    stack.push_back(map_tensors(v, [&](const at::Tensor& t) {
       if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
-      return at::zeros(t.sizes(), t.options().device(at::kCPU));
+      auto options = t.options().device(at::kCPU);
+      return index ? at::zeros(t.sizes(), options) : at::ones(t.sizes(), options);
     }));
   }
   try {
     call.op.callBoxed(&stack);
-  } catch (const c10::NotImplementedError&) {
-    // No CPU kernel to ask: the meta kernel's checks are all there are.
+  } catch (const c10::NotImplementedError& e) {
+    // No CPU kernel to ask: the meta kernel's checks are all there are. (A
+    // kernel without this dtype raises as the CPU does.)
+    if (std::string(e.what()).find("Could not run") == std::string::npos) throw;
   }
 }
 
@@ -491,7 +510,7 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   auto cached = std::make_shared<CachedOp>();
-  check_empty_inputs_on_cpu(call);
+  check_on_cpu_where_meta_may_not(call);
   cached->meta = infer_meta(call);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;

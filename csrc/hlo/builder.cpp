@@ -158,6 +158,19 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
 Value Builder::constant(double value, ElementType type, const Dims& dims) {
   if (!is_float(type)) {
     if (type == ElementType::Pred) return constant_bool(value != 0, dims);
+    // Saturate to the type's range (+-inf: its largest and smallest value);
+    // an out-of-range literal would be rejected by the parser.
+    int bits = static_cast<int>(byte_size(type)) * 8;
+    double lo = is_unsigned(type) ? 0 : -std::ldexp(1.0, bits - 1), hi = std::ldexp(1.0, bits - (is_unsigned(type) ? 0 : 1));
+    if (std::isnan(value)) value = 0;
+    if (value < lo) value = lo;
+    if (value >= hi) {
+      if (type == ElementType::U64) return constant_int(-1, type, dims);  // all ones
+      if (bits == 64) return constant_int(INT64_MAX, type, dims);
+      value = hi - 1;
+    }
+    if (type == ElementType::U64 && value >= std::ldexp(1.0, 63))
+      return constant_int(static_cast<int64_t>(static_cast<uint64_t>(value)), type, dims);
     return constant_int(static_cast<int64_t>(value), type, dims);
   }
   TensorType t{type, dims};
@@ -391,8 +404,10 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   Dims out;
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) out.push_back(x.dims()[d]);
-  Value init_v = constant(is_max ? -INFINITY : INFINITY, x.element());
-  if (!is_float(x.element())) {
+  Value init_v;
+  if (is_float(x.element())) {
+    init_v = constant(is_max ? -INFINITY : INFINITY, x.element());
+  } else {
     int bits = static_cast<int>(byte_size(x.element())) * 8;
     int64_t lo = is_unsigned(x.element()) ? 0 : (bits == 64 ? INT64_MIN : -(int64_t{1} << (bits - 1)));
     int64_t hi = is_unsigned(x.element()) ? (bits == 64 ? -1 : (int64_t{1} << bits) - 1)

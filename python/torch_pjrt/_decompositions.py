@@ -61,11 +61,50 @@ def _reaches_fallback(qualified: str) -> bool:
                    ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "PrivateUse1"))
 
 
+# Meta kernels for the fused RNN cells the device lowers (the executor asks
+# the meta kernel for output shapes): PyTorch has none for the GRU cell, and
+# its LSTM one fails on a cell without biases. Shapes as the CUDA kernels.
+def _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, factor, prev_hidden):
+    name = "_thnn_fused_lstm_cell" if factor == 4 else "_thnn_fused_gru_cell"
+    torch._check(input_gates.ndim == 2 and input_gates.shape == hidden_gates.shape,
+                 lambda: f"{name}: gates {list(input_gates.shape)} and {list(hidden_gates.shape)} differ or are not 2-D")
+    torch._check(prev_hidden.ndim == 2 and prev_hidden.numel() == input_gates.numel() // factor,
+                 lambda: f"{name}: state {list(prev_hidden.shape)} does not fit gates {list(input_gates.shape)}")
+    if input_bias is not None or hidden_bias is not None:
+        torch._check(input_bias is not None and hidden_bias is not None and input_bias.ndim == 1
+                     and input_bias.shape == hidden_bias.shape and input_bias.numel() == input_gates.shape[1],
+                     lambda: f"{name}: biases do not fit gates {list(input_gates.shape)}")
+
+
+def _lstm_cell_meta(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, 4, cx)
+    return cx.new_empty(cx.shape), cx.new_empty(cx.shape), input_gates.new_empty(input_gates.shape)
+
+
+def _gru_cell_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, 3, hx)
+    return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))
+
+
+def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
+    hidden = workspace.shape[-1] // 5
+    gates = workspace.new_empty((workspace.shape[0], 3 * hidden))
+    bias = workspace.new_empty((3 * hidden,)) if has_bias else None
+    return gates, gates.new_empty(gates.shape), workspace.new_empty((workspace.shape[0], hidden)), bias, \
+        None if bias is None else bias.new_empty(bias.shape)
+
+
+_META = {"_thnn_fused_lstm_cell": _lstm_cell_meta, "_thnn_fused_gru_cell": _gru_cell_meta,
+         "_thnn_fused_gru_cell_backward": _gru_cell_backward_meta}
+
+
 def register() -> None:
     global _library
     if _library is not None:
         return
     _library = torch.library.Library("aten", "IMPL")
+    for name, meta in _META.items():
+        _library.impl(name, meta, "Meta")
     lowered = set(_C._lowered_ops())
     for op, fn in decomposition_table.items():
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":

@@ -26,7 +26,6 @@ std::vector<Value> unary(Context& c) {
 #define UNARY(name, op)          \
   constexpr char k_##name[] = op; \
   constexpr auto lower_##name = unary<k_##name>;
-UNARY(abs, "abs")
 UNARY(neg, "negate")
 UNARY(exp, "exponential")
 UNARY(expm1, "exponential_minus_one")
@@ -39,8 +38,6 @@ UNARY(cos, "cosine")
 UNARY(tan, "tan")
 UNARY(tanh, "tanh")
 UNARY(sigmoid, "logistic")
-UNARY(ceil, "ceil")
-UNARY(floor, "floor")
 UNARY(asin, "chlo.asin")
 UNARY(acos, "chlo.acos")
 UNARY(atan, "chlo.atan")
@@ -55,14 +52,34 @@ UNARY(erfinv, "chlo.erf_inv")
 UNARY(lgamma, "chlo.lgamma")
 #undef UNARY
 
-// sign(NaN) is 0 on the CPU.
+// sign(NaN) is 0 on the CPU; unsigned and bool values are 0 or positive.
 std::vector<Value> lower_sign(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_unsigned(o.compute) || o.compute == ElementType::Pred)
+    return {c.b.convert(c.b.compare(x, full(c.b, 0, x), hlo::Compare::NE), o.compute)};
   Value s = c.b.unary("sign", x);
   if (!is_float(o.compute)) return {s};
   return {c.b.select(c.b.compare(x, x, hlo::Compare::NE), full(c.b, 0, x), s)};
 }
+// Unsigned values are their own absolute value; the CPU has no abs of bool.
+std::vector<Value> lower_abs(Context& c) {
+  Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("abs of bool");
+  Value x = in(c, o);
+  return {is_unsigned(o.compute) ? x : c.b.unary("abs", x)};
+}
+// Rounding an integer leaves it as it is (stablehlo's ops take floats only).
+template <const char* Op>
+std::vector<Value> rounding(Context& c) {
+  Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("rounding bool");  // the CPU raises
+  Value x = in(c, o);
+  return {is_float(o.compute) ? c.b.unary(Op, x) : x};
+}
+constexpr char k_ceil[] = "ceil", k_floor[] = "floor";
+constexpr auto lower_ceil = rounding<k_ceil>;
+constexpr auto lower_floor = rounding<k_floor>;
 // digamma(+-0) is -+inf on the CPU (the pole's one-sided limit); chlo gives NaN.
 Value digamma(Builder& b, Value x) {
   Value pole = b.unary("negate", b.binary("divide", full(b, 1, x), x));  // -1/x: -inf at +0, +inf at -0
@@ -106,8 +123,12 @@ std::vector<Value> lower_exp2(Context& c) {
 std::vector<Value> lower_round(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (!is_float(o.compute)) {
+    if (c.has("decimals") || o.compute == ElementType::Pred) throw Unsupported("round of bool, or of integers with decimals=");  // the CPU raises
+    return {x};
+  }
   int64_t decimals = c.has("decimals") ? c.int_arg("decimals") : 0;
-  if (decimals == 0 || !is_float(o.compute)) return {c.b.unary("round_nearest_even", x)};
+  if (decimals == 0) return {c.b.unary("round_nearest_even", x)};
   Value scale = full(c.b, std::pow(10.0, static_cast<double>(std::abs(decimals))), x);
   const char* into = decimals > 0 ? "multiply" : "divide";
   const char* back = decimals > 0 ? "divide" : "multiply";
@@ -120,6 +141,7 @@ std::vector<Value> lower_reciprocal(Context& c) {
 }
 std::vector<Value> lower_trunc(Context& c) {
   Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("trunc of bool");  // the CPU raises
   Value x = in(c, o);
   if (!is_float(o.compute)) return {x};
   return {c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::LT), c.b.unary("ceil", x), c.b.unary("floor", x))};
@@ -135,9 +157,11 @@ std::vector<Value> lower_relu(Context& c) {
   Value x = in(c, o);
   return {c.b.binary("maximum", x, full(c.b, 0, x))};
 }
+// Bitwise ops run in the inputs' integer type (an out= tensor may be
+// floating: the CPU casts the integer result into it).
 std::vector<Value> lower_bitwise_not(Context& c) {
-  Out o(c);
-  return {c.b.unary("not", in(c, o))};
+  ElementType t = c.tensor_element("self");
+  return {c.b.unary("not", operand(c, "self", t, c.output(0).dims))};
 }
 std::vector<Value> lower_logical_not(Context& c) {
   Out o(c);
@@ -241,6 +265,12 @@ template <const char* Op>
 std::vector<Value> binary(Context& c) {
   Out o(c);
   return {c.b.binary(Op, in(c, o), in(c, o, "other"))};
+}
+template <const char* Op>
+std::vector<Value> bitwise(Context& c) {
+  ElementType t = c.promoted({"self", "other"});
+  const Dims& dims = c.output(0).dims;
+  return {c.b.binary(Op, operand(c, "self", t, dims), operand(c, "other", t, dims))};
 }
 constexpr char k_fmod[] = "remainder", k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
                k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
@@ -531,7 +561,7 @@ void register_pointwise(Table& t) {
            {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
            {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", binary<k_fmod>},
            {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
-           {"bitwise_and", binary<k_and>}, {"bitwise_or", binary<k_or>}, {"bitwise_xor", binary<k_xor>},
+           {"bitwise_and", bitwise<k_and>}, {"bitwise_or", bitwise<k_or>}, {"bitwise_xor", bitwise<k_xor>},
            {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},
            {"logical_or", lower_logical_or}, {"logical_xor", lower_logical_xor},
            {"eq", compare<hlo::Compare::EQ>}, {"ne", compare<hlo::Compare::NE>}, {"lt", compare<hlo::Compare::LT>},
