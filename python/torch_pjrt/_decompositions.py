@@ -26,8 +26,17 @@ _active = threading.local()
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 
+def _as_schema_types(op, args):
+    """Python kernels receive wrapped numbers (the `1` in `1 << t`) as Python
+    numbers; calling the overload again needs tensors where its schema says Tensor."""
+    arguments = op._schema.arguments
+    return tuple(torch.tensor(a) if i < len(arguments) and isinstance(arguments[i].type, torch._C.TensorType)
+                 and isinstance(a, (bool, int, float)) else a for i, a in enumerate(args))
+
+
 def _on_cpu(op, name: str, why: str, args, kwargs):
     _C._note_cpu_fallback(name, why)
+    args = _as_schema_types(op, args)
     device = next(x.device for x in pytree.tree_leaves((args, kwargs))
                   if isinstance(x, torch.Tensor) and x.device.type == "tpu")
     to_cpu = lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.device.type == "tpu" else x
@@ -94,6 +103,27 @@ def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
         None if bias is None else bias.new_empty(bias.shape)
 
 
+def _bicubic_weights(in_size, out_size, align_corners, scale):
+    """[in, out]: bicubic upsampling along one dim is x @ W (borders clamped).
+    Built by the CPU kernel from an identity; a dim of size 1 is left as it is."""
+    eye = torch.eye(in_size, dtype=torch.float64).reshape(in_size, 1, in_size, 1)
+    w = torch.ops.aten.upsample_bicubic2d(eye, [out_size, 1], align_corners, scale, None)
+    return w.reshape(in_size, out_size)
+
+
+def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    # Bicubic upsampling is separable and linear: y = Wh^T x Ww per plane, so
+    # the input gradient is Wh gy Ww^T (two matmuls on the device).
+    wh = _bicubic_weights(input_size[2], output_size[0], align_corners, scales_h)
+    ww = _bicubic_weights(input_size[3], output_size[1], align_corners, scales_w)
+    compute = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
+    wh, ww = (w.to(device=grad_output.device, dtype=compute) for w in (wh, ww))
+    g = torch.matmul(torch.matmul(wh, grad_output.to(compute)), ww.t())
+    return g.to(grad_output.dtype)
+
+
+_PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward}
+
 _META = {"_thnn_fused_lstm_cell": _lstm_cell_meta, "_thnn_fused_gru_cell": _gru_cell_meta,
          "_thnn_fused_gru_cell_backward": _gru_cell_backward_meta}
 
@@ -105,6 +135,8 @@ def register() -> None:
     _library = torch.library.Library("aten", "IMPL")
     for name, meta in _META.items():
         _library.impl(name, meta, "Meta")
+    for name, kernel in _PRIVATEUSE1.items():
+        _library.impl(name, kernel, "PrivateUse1")
     lowered = set(_C._lowered_ops())
     for op, fn in decomposition_table.items():
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":

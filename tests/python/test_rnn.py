@@ -195,20 +195,21 @@ def test_fused_cell_ops_directly(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("align_corners", [False, True])
-@pytest.mark.parametrize("size", [(7, 9), (3, 4)])
-def test_bicubic_interpolate_forward_backward(mode, align_corners, size):
+@pytest.mark.parametrize("size,scale", [((7, 9), None), ((3, 4), None), (None, 2.5)])
+def test_bicubic_interpolate_forward_backward(mode, align_corners, size, scale):
     torch.manual_seed(9)
     x = torch.randn(2, 3, 5, 6)
-    check_module(mode, Bicubic(size, align_corners), x)
+    check_module(mode, Bicubic(size, scale, align_corners), x)
 
 
 class Bicubic(nn.Module):
-    def __init__(self, size, align_corners):
+    def __init__(self, size, scale, align_corners):
         super().__init__()
-        self.size, self.align_corners = size, align_corners
+        self.size, self.scale, self.align_corners = size, scale, align_corners
 
     def forward(self, x):
-        return F.interpolate(x, size=self.size, mode="bicubic", align_corners=self.align_corners)
+        return F.interpolate(x, size=self.size, scale_factor=self.scale, mode="bicubic",
+                             align_corners=self.align_corners)
 
 
 @pytest.mark.parametrize("mode", MODES)

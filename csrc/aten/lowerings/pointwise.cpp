@@ -272,6 +272,26 @@ std::vector<Value> bitwise(Context& c) {
   const Dims& dims = c.output(0).dims;
   return {c.b.binary(Op, operand(c, "self", t, dims), operand(c, "other", t, dims))};
 }
+// Shifts as the CPU's kernels: a shift by a negative amount or by the width
+// or more gives 0 (left) or the sign fill (right). Either side may be a Scalar.
+std::vector<Value> shift(Context& c, bool left) {
+  ElementType t = c.promoted({"self", "other"});
+  if (!is_signed_int(t) && !is_unsigned(t)) throw Unsupported("shift of non-integers");  // the CPU raises
+  const Dims& dims = c.output(0).dims;
+  Value a = operand(c, "self", t, dims), n = operand(c, "other", t, dims);
+  int64_t bits = static_cast<int64_t>(byte_size(t)) * 8;
+  Value zero = c.b.constant_int(0, t, dims);
+  Value out_of_range = c.b.compare(n, c.b.constant_int(bits, t, dims), hlo::Compare::GE);
+  if (is_signed_int(t)) out_of_range = c.b.binary("or", out_of_range, c.b.compare(n, zero, hlo::Compare::LT));
+  Value safe_n = c.b.select(out_of_range, zero, n);
+  if (left) return {c.b.select(out_of_range, zero, c.b.binary("shift_left", a, safe_n))};
+  const char* right = is_unsigned(t) ? "shift_right_logical" : "shift_right_arithmetic";
+  Value fill = is_unsigned(t) ? zero : c.b.binary(right, a, c.b.constant_int(bits - 1, t, dims));
+  return {c.b.select(out_of_range, fill, c.b.binary(right, a, safe_n))};
+}
+std::vector<Value> lower_bitwise_left_shift(Context& c) { return shift(c, true); }
+std::vector<Value> lower_bitwise_right_shift(Context& c) { return shift(c, false); }
+
 constexpr char k_fmod[] = "remainder", k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
                k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
 
@@ -561,7 +581,8 @@ void register_pointwise(Table& t) {
            {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
            {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", binary<k_fmod>},
            {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
-           {"bitwise_and", bitwise<k_and>}, {"bitwise_or", bitwise<k_or>}, {"bitwise_xor", bitwise<k_xor>},
+           {"bitwise_and", bitwise<k_and>}, {"bitwise_left_shift", lower_bitwise_left_shift},
+           {"bitwise_right_shift", lower_bitwise_right_shift}, {"bitwise_or", bitwise<k_or>}, {"bitwise_xor", bitwise<k_xor>},
            {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},
            {"logical_or", lower_logical_or}, {"logical_xor", lower_logical_xor},
            {"eq", compare<hlo::Compare::EQ>}, {"ne", compare<hlo::Compare::NE>}, {"lt", compare<hlo::Compare::LT>},
