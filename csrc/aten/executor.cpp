@@ -6,6 +6,7 @@
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -247,6 +248,40 @@ c10::IValue meta_value(const c10::IValue& v) {
 
 
 std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas);
+// PyTorch's meta kernels leave out some checks its CPU kernels make: on
+// empty inputs (max() of an empty tensor, max(dim) over an empty dim) and on
+// out= tensors of another dtype (bitwise_not(int, out=half), amax, tril). For
+// such calls the CPU kernel runs once per signature on stand-ins of the same
+// sizes and dtypes, so its error (type and message) is raised here.
+bool meta_may_miss_an_error(const Call& call, int64_t* total) {
+  bool any_empty = false, out_dtype_differs = false;
+  std::set<at::ScalarType> input_dtypes;
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    const auto& v = call.args[i];
+    if (v.isGenerator() && !v.isNone()) return false;
+    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (!t.defined()) return t;
+      any_empty = any_empty || t.numel() == 0;
+      *total += t.numel();
+      if (!written && !t.unsafeGetTensorImpl()->is_wrapped_number()) input_dtypes.insert(t.scalar_type());
+      return t;
+    });
+  }
+  // out= (not in-place: self is not written) of a dtype no input has.
+  if (call.returns_written && !call.schema.arguments().empty() && call.schema.arguments()[0].name() == "self" &&
+      std::find(call.written.begin(), call.written.end(), 0) == call.written.end()) {
+    for (int a : call.written)
+      out_dtype_differs = out_dtype_differs || !input_dtypes.count(call.args[a].toTensor().scalar_type());
+  }
+  return any_empty || (out_dtype_differs && !input_dtypes.empty());
+}
+void probe_on_cpu(const Call& call);
+void check_on_cpu_where_meta_may_not(const Call& call) {
+  int64_t total = 0;
+  if (!meta_may_miss_an_error(call, &total) || total > (int64_t{1} << 22)) return;
+  probe_on_cpu(call);
+}
 
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
@@ -594,20 +629,34 @@ std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& sc
   return result;
 }
 
-// CPU's decision on an op whose written tensor's dtype differs from the result
-// dtype (a cast CPU may allow or reject): the op itself on small CPU stand-ins
-// of the same shapes and dtypes. Its error is CPU's error.
+// Runs the op's CPU kernel once on stand-ins of the same sizes and dtypes, so
+// a check CPU makes outside the meta kernels raises CPU's own error (type and
+// message). Stand-ins are ones (valid divisors; read-only inputs are expanded
+// scalars, so no memory) and zeros for index arguments (valid for any size).
 void probe_on_cpu(const Call& call) {
   torch::jit::Stack stack;
   for (size_t i = 0; i < call.args.size(); ++i) {
+    const auto& v = call.args[i];
+    if (v.isDevice()) {
+      stack.push_back(c10::Device(at::kCPU));
+      continue;
+    }
     bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
-    stack.push_back(map_tensors(call.args[i], [&](const at::Tensor& t) {
-      if (!t.defined() || t.device().type() != kTpu) return t;
+    bool index = call.schema.arguments()[i].name().find("ind") != std::string::npos;
+    stack.push_back(map_tensors(v, [&](const at::Tensor& t) {
+      if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
       auto options = t.options().device(at::kCPU);
-      return written ? at::empty(t.sizes(), options) : at::ones({}, options).expand(t.sizes());
+      at::Tensor one = index ? at::zeros({}, options) : at::ones({}, options);
+      return written ? one.expand(t.sizes()).clone() : one.expand(t.sizes());
     }));
   }
-  call.op.callBoxed(&stack);
+  try {
+    call.op.callBoxed(&stack);
+  } catch (const c10::NotImplementedError& e) {
+    // No CPU kernel to ask: the meta kernel's checks are all there are. (A
+    // kernel without this dtype raises as the CPU does.)
+    if (std::string(e.what()).find("Could not run") == std::string::npos) throw;
+  }
 }
 
 // In-place and out= ops compute in their functional form's result dtype and
@@ -649,6 +698,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   check_memory_overlap(call);
   check_cpu_kernel_rules(call);
   auto cached = std::make_shared<CachedOp>();
+  check_on_cpu_where_meta_may_not(call);
   cached->meta = infer_meta(call);
   apply_cpu_layout_rules(call, cached->meta);
   cached->entry = &entry;

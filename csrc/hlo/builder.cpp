@@ -158,6 +158,19 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
 Value Builder::constant(double value, ElementType type, const Dims& dims) {
   if (!is_float(type)) {
     if (type == ElementType::Pred) return constant_bool(value != 0, dims);
+    // Saturate to the type's range (+-inf: its largest and smallest value);
+    // an out-of-range literal would be rejected by the parser.
+    int bits = static_cast<int>(byte_size(type)) * 8;
+    double lo = is_unsigned(type) ? 0 : -std::ldexp(1.0, bits - 1), hi = std::ldexp(1.0, bits - (is_unsigned(type) ? 0 : 1));
+    if (std::isnan(value)) value = 0;
+    if (value < lo) value = lo;
+    if (value >= hi) {
+      if (type == ElementType::U64) return constant_int(-1, type, dims);  // all ones
+      if (bits == 64) return constant_int(INT64_MAX, type, dims);
+      value = hi - 1;
+    }
+    if (type == ElementType::U64 && value >= std::ldexp(1.0, 63))
+      return constant_int(static_cast<int64_t>(static_cast<uint64_t>(value)), type, dims);
     return constant_int(static_cast<int64_t>(value), type, dims);
   }
   TensorType t{type, dims};
@@ -185,7 +198,24 @@ Value Builder::unary(std::string_view op, Value x) { return emit(op, {x}, "", x.
 
 Value Builder::binary(std::string_view op, Value a, Value b) {
   PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
+  if (op == "maximum") return max(a, b);
+  if (op == "minimum") return min(a, b);
   return emit(op, {a, b}, "", a.type);
+}
+
+// Where either operand is NaN, that operand; elsewhere the plain op.
+Value Builder::nan_propagating(const char* op, Value a, Value b) {
+  PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
+  Value r = emit(op, {a, b}, "", a.type);
+  if (!is_float(a.element())) return r;
+  r = select(compare(b, b, Compare::NE), b, r);
+  return select(compare(a, a, Compare::NE), a, r);
+}
+Value Builder::max(Value a, Value b) {
+  return a.element() == ElementType::Pred ? emit("or", {a, b}, "", a.type) : nan_propagating("maximum", a, b);
+}
+Value Builder::min(Value a, Value b) {
+  return a.element() == ElementType::Pred ? emit("and", {a, b}, "", a.type) : nan_propagating("minimum", a, b);
 }
 
 Value Builder::compare(Value a, Value b, Compare direction) {
@@ -197,7 +227,10 @@ Value Builder::select(Value pred, Value on_true, Value on_false) {
   return emit("select", {pred, on_true, on_false}, "", on_true.type);
 }
 
-Value Builder::clamp(Value lo, Value x, Value hi) { return emit("clamp", {lo, x, hi}, "", x.type); }
+Value Builder::clamp(Value lo, Value x, Value hi) {
+  if (!is_float(x.element())) return emit("clamp", {lo, x, hi}, "", x.type);
+  return min(max(x, lo), hi);
+}
 
 Value Builder::convert(Value x, ElementType to) {
   if (x.element() == to) return x;
@@ -302,9 +335,23 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type) {
     case Reducer::Or: op = "or"; break;
   }
   std::string t = scalar.str();
-  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r + " = \"stablehlo." + op + "\"(" + a +
-         ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n      \"stablehlo.return\"(" + r + ") : (" + t +
-         ") -> ()\n    }";
+  std::string body = "      " + r + " = \"stablehlo." + op + "\"(" + a + ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n";
+  if (is_float(type) && (reducer == Reducer::Max || reducer == Reducer::Min)) {
+    // NaN propagates, as in max(): a NaN operand is the result.
+    std::string p = TensorType{ElementType::Pred, {}}.str();
+    auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
+    auto pick_nan = [&](const std::string& x, const std::string& rest) {
+      std::string isnan = fresh(), out = fresh();
+      body += "      " + isnan + " = \"stablehlo.compare\"(" + x + ", " + x + ") " + compare_attr(Compare::NE) + " : (" +
+              t + ", " + t + ") -> " + p + "\n";
+      body += "      " + out + " = \"stablehlo.select\"(" + isnan + ", " + x + ", " + rest + ") : (" + p + ", " + t +
+              ", " + t + ") -> " + t + "\n";
+      return out;
+    };
+    r = pick_nan(a, pick_nan(b, r));
+  }
+  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n" + body + "      \"stablehlo.return\"(" + r +
+         ") : (" + t + ") -> ()\n    }";
 }
 
 Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
@@ -357,8 +404,10 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   Dims out;
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) out.push_back(x.dims()[d]);
-  Value init_v = constant(is_max ? -INFINITY : INFINITY, x.element());
-  if (!is_float(x.element())) {
+  Value init_v;
+  if (is_float(x.element())) {
+    init_v = constant(is_max ? -INFINITY : INFINITY, x.element());
+  } else {
     int bits = static_cast<int>(byte_size(x.element())) * 8;
     int64_t lo = is_unsigned(x.element()) ? 0 : (bits == 64 ? INT64_MIN : -(int64_t{1} << (bits - 1)));
     int64_t hi = is_unsigned(x.element()) ? (bits == 64 ? -1 : (int64_t{1} << bits) - 1)

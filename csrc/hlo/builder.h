@@ -47,10 +47,17 @@ class Builder {
 
   // Elementwise; operands must already share shape and element type.
   Value unary(std::string_view op, Value x);  // op without the "stablehlo." prefix
+  // "maximum" and "minimum" go through max()/min() below, so every lowering
+  // gets PyTorch's NaN propagation.
   Value binary(std::string_view op, Value a, Value b);
   Value compare(Value a, Value b, Compare direction);
   Value select(Value pred, Value on_true, Value on_false);
-  Value clamp(Value lo, Value x, Value hi);
+  // NaN-propagating max/min (torch.maximum): a NaN operand is the result. The
+  // plugin's own maximum/minimum may drop NaN. Reductions and windows with
+  // Reducer::Max/Min propagate NaN the same way.
+  Value max(Value a, Value b);
+  Value min(Value a, Value b);
+  Value clamp(Value lo, Value x, Value hi);  // min(max(x, lo), hi): NaN in any operand is the result
   Value convert(Value x, ElementType to);
   Value bitcast_convert(Value x, TensorType to);
 
@@ -121,6 +128,7 @@ class Builder {
                                 const std::string& attributes, const std::vector<TensorType>& results,
                                 const std::string& region);
   std::string reducer_region(Reducer reducer, ElementType type);
+  Value nan_propagating(const char* op, Value a, Value b);
   int next_id_ = 0;
   std::vector<TensorType> params_;
   std::string body_;

@@ -26,8 +26,17 @@ _active = threading.local()
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 
+def _as_schema_types(op, args):
+    """Python kernels receive wrapped numbers (the `1` in `1 << t`) as Python
+    numbers; calling the overload again needs tensors where its schema says Tensor."""
+    arguments = op._schema.arguments
+    return tuple(torch.tensor(a) if i < len(arguments) and isinstance(arguments[i].type, torch._C.TensorType)
+                 and isinstance(a, (bool, int, float)) else a for i, a in enumerate(args))
+
+
 def _on_cpu(op, name: str, why: str, args, kwargs):
     _C._note_cpu_fallback(name, why)
+    args = _as_schema_types(op, args)
     device = next(x.device for x in pytree.tree_leaves((args, kwargs))
                   if isinstance(x, torch.Tensor) and x.device.type == "tpu")
     to_cpu = lambda x: x.cpu() if isinstance(x, torch.Tensor) and x.device.type == "tpu" else x
@@ -61,11 +70,73 @@ def _reaches_fallback(qualified: str) -> bool:
                    ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "PrivateUse1"))
 
 
+# Meta kernels for the fused RNN cells the device lowers (the executor asks
+# the meta kernel for output shapes): PyTorch has none for the GRU cell, and
+# its LSTM one fails on a cell without biases. Shapes as the CUDA kernels.
+def _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, factor, prev_hidden):
+    name = "_thnn_fused_lstm_cell" if factor == 4 else "_thnn_fused_gru_cell"
+    torch._check(input_gates.ndim == 2 and input_gates.shape == hidden_gates.shape,
+                 lambda: f"{name}: gates {list(input_gates.shape)} and {list(hidden_gates.shape)} differ or are not 2-D")
+    torch._check(prev_hidden.ndim == 2 and prev_hidden.numel() == input_gates.numel() // factor,
+                 lambda: f"{name}: state {list(prev_hidden.shape)} does not fit gates {list(input_gates.shape)}")
+    if input_bias is not None or hidden_bias is not None:
+        torch._check(input_bias is not None and hidden_bias is not None and input_bias.ndim == 1
+                     and input_bias.shape == hidden_bias.shape and input_bias.numel() == input_gates.shape[1],
+                     lambda: f"{name}: biases do not fit gates {list(input_gates.shape)}")
+
+
+def _lstm_cell_meta(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, 4, cx)
+    return cx.new_empty(cx.shape), cx.new_empty(cx.shape), input_gates.new_empty(input_gates.shape)
+
+
+def _gru_cell_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    _rnn_cell_check(input_gates, hidden_gates, input_bias, hidden_bias, 3, hx)
+    return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))
+
+
+def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
+    hidden = workspace.shape[-1] // 5
+    gates = workspace.new_empty((workspace.shape[0], 3 * hidden))
+    bias = workspace.new_empty((3 * hidden,)) if has_bias else None
+    return gates, gates.new_empty(gates.shape), workspace.new_empty((workspace.shape[0], hidden)), bias, \
+        None if bias is None else bias.new_empty(bias.shape)
+
+
+def _bicubic_weights(in_size, out_size, align_corners, scale):
+    """[in, out]: bicubic upsampling along one dim is x @ W (borders clamped).
+    Built by the CPU kernel from an identity; a dim of size 1 is left as it is."""
+    eye = torch.eye(in_size, dtype=torch.float64).reshape(in_size, 1, in_size, 1)
+    w = torch.ops.aten.upsample_bicubic2d(eye, [out_size, 1], align_corners, scale, None)
+    return w.reshape(in_size, out_size)
+
+
+def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    # Bicubic upsampling is separable and linear: y = Wh^T x Ww per plane, so
+    # the input gradient is Wh gy Ww^T (two matmuls on the device).
+    wh = _bicubic_weights(input_size[2], output_size[0], align_corners, scales_h)
+    ww = _bicubic_weights(input_size[3], output_size[1], align_corners, scales_w)
+    compute = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
+    wh, ww = (w.to(device=grad_output.device, dtype=compute) for w in (wh, ww))
+    g = torch.matmul(torch.matmul(wh, grad_output.to(compute)), ww.t())
+    return g.to(grad_output.dtype)
+
+
+_PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward}
+
+_META = {"_thnn_fused_lstm_cell": _lstm_cell_meta, "_thnn_fused_gru_cell": _gru_cell_meta,
+         "_thnn_fused_gru_cell_backward": _gru_cell_backward_meta}
+
+
 def register() -> None:
     global _library
     if _library is not None:
         return
     _library = torch.library.Library("aten", "IMPL")
+    for name, meta in _META.items():
+        _library.impl(name, meta, "Meta")
+    for name, kernel in _PRIVATEUSE1.items():
+        _library.impl(name, kernel, "PrivateUse1")
     lowered = set(_C._lowered_ops())
     for op, fn in decomposition_table.items():
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":

@@ -157,6 +157,12 @@ std::vector<Value> lower_convolution(Context& c) {
 // (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask)
 std::vector<Value> lower_convolution_backward(Context& c) {
   ElementType e = widen(c.tensor_element("input"));
+  if (TensorType{e, c.tensor_dims("input")}.element_count() == 0) {
+    // An empty input: the CPU's forward skipped the bias too, so all three are zeros.
+    std::vector<Value> zeros;
+    for (size_t i = 0; i < c.output_count(); ++i) zeros.push_back(c.b.constant(0, e, c.output(i).dims));
+    return zeros;
+  }
   Value g = input(c, "grad_output", e), x = input(c, "input", e), w = input(c, "weight", e);
   ConvParams p = conv_params(c, x.rank() - 2);
   Value gi, gw;
@@ -262,8 +268,9 @@ Value spatial_positions(Builder& b, const Dims& dims, size_t lead) {
   return pos;
 }
 
-// max_pool{1,2,3}d_with_indices: values and flat spatial indices. Ties keep
-// the first position, NaN wins, as on CPU.
+// max_pool{1,2,3}d_with_indices: values and flat spatial indices. As the CPU
+// kernel (`val > max || isnan(val)`): ties keep the first position, and the
+// last NaN in a window wins.
 std::vector<Value> max_pool(Context& c, size_t n) {
   Value x = c.tensor("self");
   Pool p = pool_of(c, x.dims(), c.output(0).dims, n);
@@ -279,10 +286,7 @@ std::vector<Value> max_pool(Context& c, size_t n) {
       return;
     }
     Value take = c.b.compare(v, *best, Compare::GT);
-    if (is_float(v.element())) {
-      Value v_nan = c.b.compare(v, v, Compare::NE), best_num = c.b.compare(*best, *best, Compare::EQ);
-      take = c.b.binary("or", take, c.b.binary("and", v_nan, best_num));
-    }
+    if (is_float(v.element())) take = c.b.binary("or", take, c.b.compare(v, v, Compare::NE));
     best = c.b.select(take, v, *best);
     best_i = c.b.select(take, i, *best_i);
   });
@@ -657,6 +661,87 @@ std::vector<Value> lower_nll_loss_backward(Context& c) {
   return {c.b.select(n.picked_mask, spread, zeros_like(c.b, x))};
 }
 
+// ---- fused RNN cells (what ATen's LSTM/GRU code calls on this device) ----
+// Gate layouts follow the CUDA kernels: LSTM gates [i, f, g, o], workspace
+// [i, f, g, o] after their activations; GRU gates [r, z, n], workspace
+// [r, z, n, hx, hn].
+
+// Chunk k of n equal chunks along the last dim.
+Value chunk(Builder& b, Value x, int64_t k, int64_t n) {
+  Dims start(x.rank(), 0), limit = x.dims(), strides(x.rank(), 1);
+  int64_t size = x.dims().back() / n;
+  start.back() = k * size;
+  limit.back() = (k + 1) * size;
+  return b.slice(x, start, limit, strides);
+}
+Value concat_last(Builder& b, const std::vector<Value>& parts) { return b.concatenate(parts, parts[0].rank() - 1); }
+Value with_bias(Context& c, Value gates, std::string_view bias, ElementType e) {
+  if (!c.has(bias)) return gates;
+  return add(c.b, gates, c.b.broadcast_in_dim(input(c, bias, e), gates.dims(), {gates.rank() - 1}));
+}
+// Summed over every dim but the last (the batch), as a bias gradient.
+Value bias_grad(Builder& b, Value g) {
+  Dims batch = all_dims(g.rank());
+  batch.pop_back();
+  return sum(b, g, batch);
+}
+Value one_minus(Builder& b, Value x) { return sub(b, full(b, 1, x), x); }
+Value sigmoid_grad(Builder& b, Value y) { return mul(b, one_minus(b, y), y); }  // from the sigmoid's output
+Value tanh_grad(Builder& b, Value y) { return one_minus(b, mul(b, y, y)); }     // from the tanh's output
+
+// (input_gates, hidden_gates, cx, input_bias, hidden_bias) -> (hy, cy, workspace)
+std::vector<Value> lower_lstm_cell(Context& c) {
+  ElementType e = widen(c.output(0).element);
+  Value gates = add(c.b, input(c, "input_gates", e), input(c, "hidden_gates", e));
+  gates = with_bias(c, with_bias(c, gates, "input_bias", e), "hidden_bias", e);
+  Value i = c.b.unary("logistic", chunk(c.b, gates, 0, 4)), f = c.b.unary("logistic", chunk(c.b, gates, 1, 4));
+  Value g = c.b.unary("tanh", chunk(c.b, gates, 2, 4)), o = c.b.unary("logistic", chunk(c.b, gates, 3, 4));
+  Value cy = add(c.b, mul(c.b, f, input(c, "cx", e)), mul(c.b, i, g));
+  Value hy = mul(c.b, o, c.b.unary("tanh", cy));
+  return {hy, cy, concat_last(c.b, {i, f, g, o})};
+}
+// (grad_hy?, grad_cy?, cx, cy, workspace, has_bias) -> (grad_gates, grad_cx, grad_bias?)
+std::vector<Value> lower_lstm_cell_backward(Context& c) {
+  ElementType e = widen(c.output(0).element);
+  Value cx = input(c, "cx", e), cy = input(c, "cy", e), ws = input(c, "workspace", e);
+  Value i = chunk(c.b, ws, 0, 4), f = chunk(c.b, ws, 1, 4), g = chunk(c.b, ws, 2, 4), o = chunk(c.b, ws, 3, 4);
+  Value go = c.has("grad_hy") ? input(c, "grad_hy", e) : zeros_like(c.b, cx);
+  Value gc = c.has("grad_cy") ? input(c, "grad_cy", e) : zeros_like(c.b, cx);
+  Value tanh_cy = c.b.unary("tanh", cy);
+  Value gcy = add(c.b, mul(c.b, mul(c.b, go, o), tanh_grad(c.b, tanh_cy)), gc);  // total gradient of cy
+  Value gi = mul(c.b, mul(c.b, gcy, g), sigmoid_grad(c.b, i));
+  Value gf = mul(c.b, mul(c.b, gcy, cx), sigmoid_grad(c.b, f));
+  Value gg = mul(c.b, mul(c.b, gcy, i), tanh_grad(c.b, g));
+  Value gout = mul(c.b, mul(c.b, go, tanh_cy), sigmoid_grad(c.b, o));
+  Value grad_gates = concat_last(c.b, {gi, gf, gg, gout});
+  return {grad_gates, mul(c.b, gcy, f), bias_grad(c.b, grad_gates)};
+}
+// (input_gates, hidden_gates, hx, input_bias, hidden_bias) -> (hy, workspace)
+std::vector<Value> lower_gru_cell(Context& c) {
+  ElementType e = widen(c.output(0).element);
+  Value in = with_bias(c, input(c, "input_gates", e), "input_bias", e);
+  Value hid = with_bias(c, input(c, "hidden_gates", e), "hidden_bias", e);
+  Value hx = input(c, "hx", e);
+  Value r = c.b.unary("logistic", add(c.b, chunk(c.b, in, 0, 3), chunk(c.b, hid, 0, 3)));
+  Value z = c.b.unary("logistic", add(c.b, chunk(c.b, in, 1, 3), chunk(c.b, hid, 1, 3)));
+  Value hn = chunk(c.b, hid, 2, 3);
+  Value n = c.b.unary("tanh", add(c.b, chunk(c.b, in, 2, 3), mul(c.b, r, hn)));
+  Value hy = add(c.b, n, mul(c.b, z, sub(c.b, hx, n)));
+  return {hy, concat_last(c.b, {r, z, n, hx, hn})};
+}
+// (grad_hy, workspace, has_bias) -> (grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias?, grad_hidden_bias?)
+std::vector<Value> lower_gru_cell_backward(Context& c) {
+  ElementType e = widen(c.output(0).element);
+  Value go = input(c, "grad_hy", e), ws = input(c, "workspace", e);
+  Value r = chunk(c.b, ws, 0, 5), z = chunk(c.b, ws, 1, 5), n = chunk(c.b, ws, 2, 5), hx = chunk(c.b, ws, 3, 5),
+        hn = chunk(c.b, ws, 4, 5);
+  Value gz = mul(c.b, mul(c.b, go, sub(c.b, hx, n)), sigmoid_grad(c.b, z));
+  Value gn = mul(c.b, mul(c.b, go, one_minus(c.b, z)), tanh_grad(c.b, n));
+  Value gr = mul(c.b, mul(c.b, gn, hn), sigmoid_grad(c.b, r));
+  Value grad_in = concat_last(c.b, {gr, gz, gn}), grad_hidden = concat_last(c.b, {gr, gz, mul(c.b, gn, r)});
+  return {grad_in, grad_hidden, mul(c.b, go, z), bias_grad(c.b, grad_in), bias_grad(c.b, grad_hidden)};
+}
+
 }  // namespace
 
 void register_nn(Table& t) {
@@ -677,7 +762,9 @@ void register_nn(Table& t) {
            {"native_batch_norm_backward", lower_batch_norm_backward}, {"native_group_norm", lower_group_norm},
            {"native_group_norm_backward", lower_group_norm_backward}, {"nll_loss_forward", lower_nll_loss},
            {"nll_loss2d_forward", lower_nll_loss}, {"nll_loss_backward", lower_nll_loss_backward},
-           {"nll_loss2d_backward", lower_nll_loss_backward}})
+           {"nll_loss2d_backward", lower_nll_loss_backward}, {"_thnn_fused_lstm_cell", lower_lstm_cell},
+           {"_thnn_fused_lstm_cell_backward_impl", lower_lstm_cell_backward},
+           {"_thnn_fused_gru_cell", lower_gru_cell}, {"_thnn_fused_gru_cell_backward", lower_gru_cell_backward}})
     add_lowering(t, name, fn);
   add_lowering(t, "native_batch_norm", lower_batch_norm, false, {"running_mean", "running_var"});
 }

@@ -26,7 +26,6 @@ std::vector<Value> unary(Context& c) {
 #define UNARY(name, op)          \
   constexpr char k_##name[] = op; \
   constexpr auto lower_##name = unary<k_##name>;
-UNARY(abs, "abs")
 UNARY(neg, "negate")
 UNARY(exp, "exponential")
 UNARY(expm1, "exponential_minus_one")
@@ -39,9 +38,6 @@ UNARY(cos, "cosine")
 UNARY(tan, "tan")
 UNARY(tanh, "tanh")
 UNARY(sigmoid, "logistic")
-UNARY(ceil, "ceil")
-UNARY(floor, "floor")
-UNARY(sign, "sign")
 UNARY(asin, "chlo.asin")
 UNARY(acos, "chlo.acos")
 UNARY(atan, "chlo.atan")
@@ -54,15 +50,52 @@ UNARY(erf, "chlo.erf")
 UNARY(erfc, "chlo.erfc")
 UNARY(erfinv, "chlo.erf_inv")
 UNARY(lgamma, "chlo.lgamma")
-UNARY(digamma, "chlo.digamma")
 #undef UNARY
+
+// sign(NaN) is 0 on the CPU; unsigned and bool values are 0 or positive.
+std::vector<Value> lower_sign(Context& c) {
+  Out o(c);
+  Value x = in(c, o);
+  if (is_unsigned(o.compute) || o.compute == ElementType::Pred)
+    return {c.b.convert(c.b.compare(x, full(c.b, 0, x), hlo::Compare::NE), o.compute)};
+  Value s = c.b.unary("sign", x);
+  if (!is_float(o.compute)) return {s};
+  return {c.b.select(c.b.compare(x, x, hlo::Compare::NE), full(c.b, 0, x), s)};
+}
+// Unsigned values are their own absolute value; the CPU has no abs of bool.
+std::vector<Value> lower_abs(Context& c) {
+  Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("abs of bool");
+  Value x = in(c, o);
+  return {is_unsigned(o.compute) ? x : c.b.unary("abs", x)};
+}
+// Rounding an integer leaves it as it is (stablehlo's ops take floats only).
+template <const char* Op>
+std::vector<Value> rounding(Context& c) {
+  Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("rounding bool");  // the CPU raises
+  Value x = in(c, o);
+  return {is_float(o.compute) ? c.b.unary(Op, x) : x};
+}
+constexpr char k_ceil[] = "ceil", k_floor[] = "floor";
+constexpr auto lower_ceil = rounding<k_ceil>;
+constexpr auto lower_floor = rounding<k_floor>;
+// digamma(+-0) is -+inf on the CPU (the pole's one-sided limit); chlo gives NaN.
+Value digamma(Builder& b, Value x) {
+  Value pole = b.unary("negate", b.binary("divide", full(b, 1, x), x));  // -1/x: -inf at +0, +inf at -0
+  return b.select(b.compare(x, full(b, 0, x), hlo::Compare::EQ), pole, b.unary("chlo.digamma", x));
+}
+std::vector<Value> lower_digamma(Context& c) {
+  Out o(c);
+  return {digamma(c.b, in(c, o))};
+}
 
 // polygamma(0, x) is digamma. (chlo.polygamma for n >= 1 loses all accuracy
 // at negative x in f32, so those run on the CPU.)
 std::vector<Value> lower_polygamma(Context& c) {
   Out o(c);
   if (!is_float(o.compute) || c.int_arg("n") != 0) throw Unsupported("polygamma with n >= 1");
-  return {c.b.unary("chlo.digamma", in(c, o))};
+  return {digamma(c.b, in(c, o))};
 }
 // special_zeta(x, q): the Hurwitz zeta function.
 std::vector<Value> lower_zeta(Context& c) {
@@ -90,8 +123,12 @@ std::vector<Value> lower_exp2(Context& c) {
 std::vector<Value> lower_round(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (!is_float(o.compute)) {
+    if (c.has("decimals") || o.compute == ElementType::Pred) throw Unsupported("round of bool, or of integers with decimals=");  // the CPU raises
+    return {x};
+  }
   int64_t decimals = c.has("decimals") ? c.int_arg("decimals") : 0;
-  if (decimals == 0 || !is_float(o.compute)) return {c.b.unary("round_nearest_even", x)};
+  if (decimals == 0) return {c.b.unary("round_nearest_even", x)};
   Value scale = full(c.b, std::pow(10.0, static_cast<double>(std::abs(decimals))), x);
   const char* into = decimals > 0 ? "multiply" : "divide";
   const char* back = decimals > 0 ? "divide" : "multiply";
@@ -104,6 +141,7 @@ std::vector<Value> lower_reciprocal(Context& c) {
 }
 std::vector<Value> lower_trunc(Context& c) {
   Out o(c);
+  if (o.compute == ElementType::Pred) throw Unsupported("trunc of bool");  // the CPU raises
   Value x = in(c, o);
   if (!is_float(o.compute)) return {x};
   return {c.b.select(c.b.compare(x, full(c.b, 0, x), hlo::Compare::LT), c.b.unary("ceil", x), c.b.unary("floor", x))};
@@ -119,9 +157,11 @@ std::vector<Value> lower_relu(Context& c) {
   Value x = in(c, o);
   return {c.b.binary("maximum", x, full(c.b, 0, x))};
 }
+// Bitwise ops run in the inputs' integer type (an out= tensor may be
+// floating: the CPU casts the integer result into it).
 std::vector<Value> lower_bitwise_not(Context& c) {
-  Out o(c);
-  return {c.b.unary("not", in(c, o))};
+  ElementType t = c.tensor_element("self");
+  return {c.b.unary("not", operand(c, "self", t, c.output(0).dims))};
 }
 std::vector<Value> lower_logical_not(Context& c) {
   Out o(c);
@@ -235,6 +275,32 @@ std::vector<Value> binary(Context& c) {
   Out o(c);
   return {c.b.binary(Op, in(c, o), in(c, o, "other"))};
 }
+template <const char* Op>
+std::vector<Value> bitwise(Context& c) {
+  ElementType t = c.promoted({"self", "other"});
+  const Dims& dims = c.output(0).dims;
+  return {c.b.binary(Op, operand(c, "self", t, dims), operand(c, "other", t, dims))};
+}
+// Shifts as the CPU's kernels: a shift by a negative amount or by the width
+// or more gives 0 (left) or the sign fill (right). Either side may be a Scalar.
+std::vector<Value> shift(Context& c, bool left) {
+  ElementType t = c.promoted({"self", "other"});
+  if (!is_signed_int(t) && !is_unsigned(t)) throw Unsupported("shift of non-integers");  // the CPU raises
+  const Dims& dims = c.output(0).dims;
+  Value a = operand(c, "self", t, dims), n = operand(c, "other", t, dims);
+  int64_t bits = static_cast<int64_t>(byte_size(t)) * 8;
+  Value zero = c.b.constant_int(0, t, dims);
+  Value out_of_range = c.b.compare(n, c.b.constant_int(bits, t, dims), hlo::Compare::GE);
+  if (is_signed_int(t)) out_of_range = c.b.binary("or", out_of_range, c.b.compare(n, zero, hlo::Compare::LT));
+  Value safe_n = c.b.select(out_of_range, zero, n);
+  if (left) return {c.b.select(out_of_range, zero, c.b.binary("shift_left", a, safe_n))};
+  const char* right = is_unsigned(t) ? "shift_right_logical" : "shift_right_arithmetic";
+  Value fill = is_unsigned(t) ? zero : c.b.binary(right, a, c.b.constant_int(bits - 1, t, dims));
+  return {c.b.select(out_of_range, fill, c.b.binary(right, a, safe_n))};
+}
+std::vector<Value> lower_bitwise_left_shift(Context& c) { return shift(c, true); }
+std::vector<Value> lower_bitwise_right_shift(Context& c) { return shift(c, false); }
+
 constexpr char k_maximum[] = "maximum", k_minimum[] = "minimum", k_atan2[] = "atan2",
                k_and[] = "and", k_or[] = "or", k_xor[] = "xor";
 
@@ -364,7 +430,14 @@ std::vector<Value> lower_gelu(Context& c) {
   Out o(c);
   Value x = in(c, o);
   bool tanh = c.has("approximate") && c.string_arg("approximate") == "tanh";
-  if (!tanh) return {c.b.binary("multiply", x, erf_cdf(c.b, x))};
+  if (!tanh) {
+    // At -inf the CPU computes -inf * 0 = NaN; at +inf its vectorized float
+    // kernels (all but f64) give NaN too. Match them rather than the limits.
+    Value r = c.b.binary("multiply", x, erf_cdf(c.b, x));
+    r = c.b.select(c.b.compare(x, full(c.b, -INFINITY, x), hlo::Compare::EQ), full(c.b, NAN, x), r);
+    if (o.element == ElementType::F64) return {r};
+    return {c.b.select(c.b.compare(x, full(c.b, INFINITY, x), hlo::Compare::EQ), full(c.b, NAN, x), r)};
+  }
   Value t = c.b.unary("tanh", tanh_inner(c.b, x));
   return {c.b.binary("multiply", c.b.binary("multiply", full(c.b, 0.5, x), x), c.b.binary("add", full(c.b, 1, x), t))};
 }
@@ -412,14 +485,15 @@ std::vector<Value> lower_tanh_backward(Context& c) {
 std::vector<Value> lower_threshold(Context& c) {
   Out o(c);
   Value x = in(c, o);
-  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
-  return {c.b.select(keep, x, operand(c, "value", o.compute, o.dims))};
+  // As the CPU kernel: x <= threshold is replaced, so NaN stays.
+  Value replace = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::LE);
+  return {c.b.select(replace, operand(c, "value", o.compute, o.dims), x)};
 }
 std::vector<Value> lower_threshold_backward(Context& c) {
   Out o(c);
   Value g = in(c, o, "grad_output"), x = in(c, o);
-  Value keep = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::GT);
-  return {c.b.select(keep, g, full(c.b, 0, g))};
+  Value drop = c.b.compare(x, operand(c, "threshold", o.compute, o.dims), hlo::Compare::LE);  // NaN passes g
+  return {c.b.select(drop, full(c.b, 0, g), g)};
 }
 std::vector<Value> lower_leaky_relu(Context& c) {
   Out o(c);
@@ -516,7 +590,8 @@ void register_pointwise(Table& t) {
            {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
            {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", lower_fmod},
            {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
-           {"bitwise_and", binary<k_and>}, {"bitwise_or", binary<k_or>}, {"bitwise_xor", binary<k_xor>},
+           {"bitwise_and", bitwise<k_and>}, {"bitwise_left_shift", lower_bitwise_left_shift},
+           {"bitwise_right_shift", lower_bitwise_right_shift}, {"bitwise_or", bitwise<k_or>}, {"bitwise_xor", bitwise<k_xor>},
            {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},
            {"logical_or", lower_logical_or}, {"logical_xor", lower_logical_xor},
            {"eq", compare<hlo::Compare::EQ>}, {"ne", compare<hlo::Compare::NE>}, {"lt", compare<hlo::Compare::LT>},

@@ -80,6 +80,7 @@ std::vector<Value> lower_min(Context& c) { return max_min(c, false); }
 
 std::vector<Value> arg_max_min(Context& c, bool is_max) {
   Value x = c.tensor("self");
+  if (x.element() == ElementType::Pred) throw Unsupported("argmax/argmin of bool");  // the CPU raises
   int64_t dim = 0;
   if (c.has("dim")) {
     if (x.rank() == 0) x = c.b.reshape(x, {1});
