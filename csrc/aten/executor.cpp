@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/native/BinaryOps.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
@@ -245,6 +246,9 @@ c10::IValue meta_value(const c10::IValue& v) {
 
 std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas);
 
+// The op's meta kernel raised: the CPU kernel decides (its error, or its result).
+struct MetaRejected {};
+
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
   torch::jit::Stack stack;
@@ -255,7 +259,15 @@ MetaResult infer_meta(const Call& call) {
   }
   // Before the op's own meta kernel, whose out= cast check is laxer than CPU's.
   std::vector<at::ScalarType> compute = written_compute_dtypes(call, metas);
-  call.op.callBoxed(&stack);
+  try {
+    call.op.callBoxed(&stack);
+  } catch (const c10::NotImplementedError&) {
+    throw;
+  } catch (const std::exception&) {
+    // Many meta kernels are Python references whose errors differ from the
+    // CPU kernel's (type, message) or that reject what the CPU accepts.
+    throw MetaRejected();
+  }
   MetaResult r;
   auto add = [&](const at::Tensor& t) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
@@ -496,6 +508,15 @@ void check_memory_overlap(const Call& call) {
 // Checks CPU kernels make in their bodies, outside the meta functions.
 void check_cpu_kernel_rules(const Call& call) {
   std::string base = base_name(call.schema);
+  auto alpha = call.schema.argumentIndexWithName("alpha");
+  if (alpha && (base == "add" || base == "sub" || base == "rsub") && call.args[*alpha].isScalar()) {
+    // The references accept a float alpha with bool tensors; BinaryOps' alpha_check does not.
+    const auto& self = call.args[*call.schema.argumentIndexWithName("self")];
+    const auto& other = call.args[*call.schema.argumentIndexWithName("other")];
+    at::ScalarType common = other.isTensor() ? at::result_type(self.toTensor(), other.toTensor())
+                                             : at::result_type(self.toTensor(), other.toScalar());
+    at::native::alpha_check(common, call.args[*alpha].toScalar());
+  }
   if (base == "index_put" || base == "_index_put_impl") {
     auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
     auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
@@ -596,8 +617,10 @@ std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::
       stack.push_back(meta_value(call.args[i]));
   try {
     functional->callBoxed(&stack);
-  } catch (const c10::Error&) {
+  } catch (const c10::NotImplementedError&) {
     return out;  // no usable functional meta: the written dtype stays the compute dtype
+  } catch (const std::exception&) {
+    throw MetaRejected();
   }
   if (stack.size() != out.size()) return out;
   bool probe = false;
@@ -837,6 +860,9 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       return false;
     } catch (const c10::NotImplementedError& e) {
       *why = "no meta kernel";
+      return false;
+    } catch (const MetaRejected&) {
+      *why = "its meta kernel rejects these arguments";
       return false;
     }
     std::lock_guard<std::mutex> lock(g_cache_mutex);
