@@ -319,8 +319,9 @@ Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
   return emit("reduce", {x, init}, "{dimensions = " + dims_attr(dims) + "}", TensorType{x.element(), out}, region);
 }
 
-std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
-  TensorType vt{x.element(), {}}, it{indices.element(), {}};
+// The (value, index) reducer region of argmax/argmin and max pooling.
+std::string Builder::arg_region(ElementType value, ElementType index, bool is_max) {
+  TensorType vt{value, {}}, it{index, {}};
   auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
   std::string a = fresh(), ai = fresh(), b = fresh(), bi = fresh();
   std::string v = vt.str(), i = it.str(), p = TensorType{ElementType::Pred, {}}.str();
@@ -354,6 +355,11 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   std::string region = "{\n    ^bb0(" + a + ": " + v + ", " + ai + ": " + i + ", " + b + ": " + v + ", " + bi + ": " +
                        i + "):\n" + body + "      \"stablehlo.return\"(" + rv + ", " + ri + ") : (" + v + ", " + i +
                        ") -> ()\n    }";
+  return region;
+}
+
+std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
+  std::string region = arg_region(x.element(), indices.element(), is_max);
   Dims out;
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) out.push_back(x.dims()[d]);
@@ -388,6 +394,20 @@ Value Builder::reduce_window(Value x, Value init, Reducer reducer, const Dims& w
                   ", base_dilations = " + dims_attr(bd) + ", window_dilations = " + dims_attr(wd) +
                   ", padding = " + padding_attr(padding_low, padding_high) + "}",
               TensorType{x.element(), out}, region);
+}
+
+std::vector<Value> Builder::reduce_window_max_arg(Value x, Value indices, Value init, Value init_index,
+                                                  const Dims& window, const Dims& strides, const Dims& dilations) {
+  Dims out;
+  for (size_t i = 0; i < window.size(); ++i) {
+    int64_t in = x.dims()[i], win = (window[i] - 1) * dilations[i] + 1;
+    out.push_back(in < win ? 0 : (in - win) / strides[i] + 1);
+  }
+  return emit_multi("reduce_window", {x, indices, init, init_index},
+                    "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
+                        ", window_dilations = " + dims_attr(dilations) + "}",
+                    {TensorType{x.element(), out}, TensorType{indices.element(), out}},
+                    arg_region(x.element(), indices.element(), true));
 }
 
 Value Builder::select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,
