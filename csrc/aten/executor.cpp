@@ -531,14 +531,18 @@ void check_cpu_kernel_rules(const Call& call) {
 // weight is (3-d convolutions in float64 have no channels_last kernel).
 void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
   std::string base = base_name(call.schema);
-  if (base != "convolution" && base != "convolution_backward") return;
-  auto input = call.args[*call.schema.argumentIndexWithName("input")].toTensor();
-  auto weight = call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
+  // Pooling kernels (and their gradients) follow the input's suggested memory format.
+  static const std::set<std::string> pools{"max_pool2d_with_indices", "max_pool3d_with_indices",
+                                           "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"};
+  bool pool = pools.count(base) > 0;
+  if (base != "convolution" && base != "convolution_backward" && !pool) return;
+  auto input = call.args[*call.schema.argumentIndexWithName(pool ? "self" : "input")].toTensor();
+  auto weight = pool ? input : call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
   auto suggests = [&](c10::MemoryFormat f) {
     return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
   };
   bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
-  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && input.scalar_type() != at::kDouble;
+  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && (pool || input.scalar_type() != at::kDouble);
   if (!cl2 && !cl3) return;
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
     const auto& dims = meta.outputs[i].dims;

@@ -148,3 +148,18 @@ def test_max_pool3d_fused_graph_compiles_quickly():
     out.backward(torch.ones_like(out))
     x.grad.cpu()
     assert time.time() - start < 30
+
+
+@pytest.mark.parametrize("dims,fmt", [((2, 3, 6, 6), torch.channels_last), ((2, 3, 6, 6, 6), torch.channels_last_3d)])
+def test_max_pool_keeps_channels_last_as_cpu(dims, fmt):
+    x = torch.randn(*dims).contiguous(memory_format=fmt)
+    pool = torch.nn.functional.max_pool2d if len(dims) == 4 else torch.nn.functional.max_pool3d
+    for device in ("cpu", "tpu"):
+        t = x.detach().to(device).requires_grad_()
+        out, ind = pool(t, 2, 2, return_indices=True)
+        out.backward(torch.ones_like(out))
+        got = (out.is_contiguous(memory_format=fmt), ind.is_contiguous(memory_format=fmt),
+               t.grad.is_contiguous(memory_format=fmt))
+        if device == "cpu":
+            expected = got
+    assert got == expected
