@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/native/BinaryOps.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
@@ -283,6 +284,9 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   probe_on_cpu(call);
 }
 
+// The op's meta kernel raised: the CPU kernel decides (its error, or its result).
+struct MetaRejected {};
+
 // Runs the op's meta kernel: PyTorch's own shape, dtype and error checks.
 MetaResult infer_meta(const Call& call) {
   torch::jit::Stack stack;
@@ -293,7 +297,15 @@ MetaResult infer_meta(const Call& call) {
   }
   // Before the op's own meta kernel, whose out= cast check is laxer than CPU's.
   std::vector<at::ScalarType> compute = written_compute_dtypes(call, metas);
-  call.op.callBoxed(&stack);
+  try {
+    call.op.callBoxed(&stack);
+  } catch (const c10::NotImplementedError&) {
+    throw;
+  } catch (const std::exception&) {
+    // Many meta kernels are Python references whose errors differ from the
+    // CPU kernel's (type, message) or that reject what the CPU accepts.
+    throw MetaRejected();
+  }
   MetaResult r;
   auto add = [&](const at::Tensor& t) {
     r.outputs.push_back(OutputMeta{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end())});
@@ -561,6 +573,15 @@ void check_memory_overlap(const Call& call) {
 // Checks CPU kernels make in their bodies, outside the meta functions.
 void check_cpu_kernel_rules(const Call& call) {
   std::string base = base_name(call.schema);
+  auto alpha = call.schema.argumentIndexWithName("alpha");
+  if (alpha && (base == "add" || base == "sub" || base == "rsub") && call.args[*alpha].isScalar()) {
+    // The references accept a float alpha with bool tensors; BinaryOps' alpha_check does not.
+    const auto& self = call.args[*call.schema.argumentIndexWithName("self")];
+    const auto& other = call.args[*call.schema.argumentIndexWithName("other")];
+    at::ScalarType common = other.isTensor() ? at::result_type(self.toTensor(), other.toTensor())
+                                             : at::result_type(self.toTensor(), other.toScalar());
+    at::native::alpha_check(common, call.args[*alpha].toScalar());
+  }
   if (base == "index_put" || base == "_index_put_impl") {
     auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
     auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
@@ -575,14 +596,18 @@ void check_cpu_kernel_rules(const Call& call) {
 // weight is (3-d convolutions in float64 have no channels_last kernel).
 void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
   std::string base = base_name(call.schema);
-  if (base != "convolution" && base != "convolution_backward") return;
-  auto input = call.args[*call.schema.argumentIndexWithName("input")].toTensor();
-  auto weight = call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
+  // Pooling kernels (and their gradients) follow the input's suggested memory format.
+  static const std::set<std::string> pools{"max_pool2d_with_indices", "max_pool3d_with_indices",
+                                           "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"};
+  bool pool = pools.count(base) > 0;
+  if (base != "convolution" && base != "convolution_backward" && !pool) return;
+  auto input = call.args[*call.schema.argumentIndexWithName(pool ? "self" : "input")].toTensor();
+  auto weight = pool ? input : call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
   auto suggests = [&](c10::MemoryFormat f) {
     return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
   };
   bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
-  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && input.scalar_type() != at::kDouble;
+  bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && (pool || input.scalar_type() != at::kDouble);
   if (!cl2 && !cl3) return;
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
     const auto& dims = meta.outputs[i].dims;
@@ -675,8 +700,10 @@ std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::
       stack.push_back(meta_value(call.args[i]));
   try {
     functional->callBoxed(&stack);
-  } catch (const c10::Error&) {
+  } catch (const c10::NotImplementedError&) {
     return out;  // no usable functional meta: the written dtype stays the compute dtype
+  } catch (const std::exception&) {
+    throw MetaRejected();
   }
   if (stack.size() != out.size()) return out;
   bool probe = false;
@@ -940,6 +967,9 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       return false;
     } catch (const c10::NotImplementedError& e) {
       *why = "no meta kernel";
+      return false;
+    } catch (const MetaRejected&) {
+      *why = "its meta kernel rejects these arguments";
       return false;
     }
     std::lock_guard<std::mutex> lock(g_cache_mutex);

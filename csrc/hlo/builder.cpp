@@ -366,8 +366,9 @@ Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
   return emit("reduce", {x, init}, "{dimensions = " + dims_attr(dims) + "}", TensorType{x.element(), out}, region);
 }
 
-std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
-  TensorType vt{x.element(), {}}, it{indices.element(), {}};
+// The (value, index) reducer region of argmax/argmin and max pooling.
+std::string Builder::arg_region(ElementType value, ElementType index, bool is_max, bool last_nan) {
+  TensorType vt{value, {}}, it{index, {}};
   auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
   std::string a = fresh(), ai = fresh(), b = fresh(), bi = fresh();
   std::string v = vt.str(), i = it.str(), p = TensorType{ElementType::Pred, {}}.str();
@@ -380,10 +381,11 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   auto bin = [&](const char* op, const std::string& l, const std::string& r) {
     return std::string("\"stablehlo.") + op + "\"(" + l + ", " + r + ") : (" + p + ", " + p + ") -> " + p;
   };
-  // PyTorch semantics: NaN wins, ties go to the lower index.
+  // PyTorch semantics: NaN wins, equal values go to the lower index; among
+  // NaNs the lower index, or the higher one with `last_nan` (max pooling).
   std::string better = fresh(), a_nan = fresh(), b_nan = fresh(), not_b_nan = fresh(), nan_wins = fresh();
-  std::string eq = fresh(), both_nan = fresh(), tie = fresh(), lower = fresh(), tie_lower = fresh(), t1 = fresh(),
-              pick = fresh(), rv = fresh(), ri = fresh();
+  std::string eq = fresh(), both_nan = fresh(), lower = fresh(), nan_side = fresh(), eq_pick = fresh(),
+              nan_pick = fresh(), t1 = fresh(), t2 = fresh(), pick = fresh(), rv = fresh(), ri = fresh();
   line(better, cmp(a, b, is_max ? "GT" : "LT", v));
   line(a_nan, cmp(a, a, "NE", v));
   line(b_nan, cmp(b, b, "NE", v));
@@ -391,16 +393,23 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   line(nan_wins, bin("and", a_nan, not_b_nan));
   line(eq, cmp(a, b, "EQ", v));
   line(both_nan, bin("and", a_nan, b_nan));
-  line(tie, bin("or", eq, both_nan));
   line(lower, cmp(ai, bi, "LT", i));
-  line(tie_lower, bin("and", tie, lower));
+  line(nan_side, cmp(ai, bi, last_nan ? "GT" : "LT", i));
+  line(eq_pick, bin("and", eq, lower));
+  line(nan_pick, bin("and", both_nan, nan_side));
   line(t1, bin("or", better, nan_wins));
-  line(pick, bin("or", t1, tie_lower));
+  line(t2, bin("or", t1, eq_pick));
+  line(pick, bin("or", t2, nan_pick));
   line(rv, "\"stablehlo.select\"(" + pick + ", " + a + ", " + b + ") : (" + p + ", " + v + ", " + v + ") -> " + v);
   line(ri, "\"stablehlo.select\"(" + pick + ", " + ai + ", " + bi + ") : (" + p + ", " + i + ", " + i + ") -> " + i);
   std::string region = "{\n    ^bb0(" + a + ": " + v + ", " + ai + ": " + i + ", " + b + ": " + v + ", " + bi + ": " +
                        i + "):\n" + body + "      \"stablehlo.return\"(" + rv + ", " + ri + ") : (" + v + ", " + i +
                        ") -> ()\n    }";
+  return region;
+}
+
+std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
+  std::string region = arg_region(x.element(), indices.element(), is_max);
   Dims out;
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) out.push_back(x.dims()[d]);
@@ -437,6 +446,20 @@ Value Builder::reduce_window(Value x, Value init, Reducer reducer, const Dims& w
                   ", base_dilations = " + dims_attr(bd) + ", window_dilations = " + dims_attr(wd) +
                   ", padding = " + padding_attr(padding_low, padding_high) + "}",
               TensorType{x.element(), out}, region);
+}
+
+std::vector<Value> Builder::reduce_window_max_arg(Value x, Value indices, Value init, Value init_index,
+                                                  const Dims& window, const Dims& strides, const Dims& dilations) {
+  Dims out;
+  for (size_t i = 0; i < window.size(); ++i) {
+    int64_t in = x.dims()[i], win = (window[i] - 1) * dilations[i] + 1;
+    out.push_back(in < win ? 0 : (in - win) / strides[i] + 1);
+  }
+  return emit_multi("reduce_window", {x, indices, init, init_index},
+                    "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
+                        ", window_dilations = " + dims_attr(dilations) + "}",
+                    {TensorType{x.element(), out}, TensorType{indices.element(), out}},
+                    arg_region(x.element(), indices.element(), true, /*last_nan=*/true));
 }
 
 Value Builder::select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,

@@ -76,6 +76,9 @@ class Builder {
   Value reduce(Value x, Value init, const Dims& dims, Reducer reducer);
   // Variadic reduce for argmax/argmin: returns {values, indices}.
   std::vector<Value> reduce_arg(Value x, Value indices, int64_t dim, bool is_max);
+  // Windowed max with its index (NaN wins, ties go to the lower index); no padding.
+  std::vector<Value> reduce_window_max_arg(Value x, Value indices, Value init, Value init_index, const Dims& window,
+                                           const Dims& strides, const Dims& dilations);
   Value reduce_window(Value x, Value init, Reducer reducer, const Dims& window, const Dims& strides,
                       const Dims& padding_low, const Dims& padding_high, const Dims& base_dilations = {},
                       const Dims& window_dilations = {});
@@ -124,6 +127,7 @@ class Builder {
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
              TensorType result, const std::string& region = "");
+  std::string arg_region(ElementType value, ElementType index, bool is_max, bool last_nan = false);
   std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
                                 const std::string& attributes, const std::vector<TensorType>& results,
                                 const std::string& region);

@@ -44,6 +44,49 @@ def _on_cpu(op, name: str, why: str, args, kwargs):
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, out)
 
 
+_accepted: set = set()  # signatures the CPU kernel accepted
+
+
+def _cpu_rejects(op, args, kwargs) -> bool:
+    """Whether the CPU kernel rejects a call of this signature.
+
+    Decompositions skip checks the CPU kernels make (heaviside's dtypes,
+    ...), and ATen's structured meta checks are shadowed by Python meta
+    registrations; so, once per signature, the CPU kernel runs on zeros of the
+    same dtypes, shapes and strides. Seeded random ops are not probed (the
+    probe would draw from the CPU generator).
+    """
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    leaves = pytree.tree_leaves((args, kwargs))
+    key = (op, len(leaves)) + tuple(
+        (x.dtype, tuple(x.shape), tuple(x.stride()), x.device.type) if isinstance(x, torch.Tensor) else x
+        for x in leaves)
+    try:
+        if key in _accepted:
+            return False
+    except TypeError:  # an unhashable argument: probe every call
+        key = None
+    to_zeros = lambda x: (torch.zeros_like(x, device="cpu")
+                          if isinstance(x, torch.Tensor) and x.device.type == "tpu" else x)
+    try:
+        op(*pytree.tree_map(to_zeros, args), **pytree.tree_map(to_zeros, kwargs))
+    except Exception:
+        return True  # the real call on the CPU decides (its error, or its result on the real data)
+    if key is not None:
+        _accepted.add(key)
+    return False
+
+
+def _to_device(args, kwargs):
+    """0-d CPU tensors join the device, as TensorIterator lets them on CUDA."""
+    device = next(x.device for x in pytree.tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor) and x.device.type == "tpu")
+    move = lambda x: (x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0
+                      else x)
+    return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+
 def _kernel(op, name: str, decomposition):
     def kernel(*args, **kwargs):
         active = getattr(_active, "ops", None)
@@ -51,9 +94,16 @@ def _kernel(op, name: str, decomposition):
             active = _active.ops = set()
         if name in active:
             return _on_cpu(op, name, "its decomposition calls itself", args, kwargs)
+        # A rejected call or a failing decomposition: the CPU kernel decides
+        # (CPU's error type and message, or its result).
+        if _cpu_rejects(op, args, kwargs):
+            return _on_cpu(op, name, "the CPU kernel rejects these arguments", args, kwargs)
+        dargs, dkwargs = _to_device(args, kwargs)
         active.add(name)
         try:
-            out = decomposition(*args, **kwargs)
+            out = decomposition(*dargs, **dkwargs)
+        except Exception:
+            return _on_cpu(op, name, "its decomposition rejects these arguments", args, kwargs)
         finally:
             active.discard(name)
         if out is NotImplemented:

@@ -270,44 +270,44 @@ Value spatial_positions(Builder& b, const Dims& dims, size_t lead) {
 
 // max_pool{1,2,3}d_with_indices: values and flat spatial indices. As the CPU
 // kernel (`val > max || isnan(val)`): ties keep the first position, and the
-// last NaN in a window wins.
+// last NaN in a window wins. One variadic reduce_window (an unrolled loop over
+// kernel offsets made programs that XLA compiles for minutes with large
+// kernels); padding never wins (its index is the largest).
 std::vector<Value> max_pool(Context& c, size_t n) {
   Value x = c.tensor("self");
   Pool p = pool_of(c, x.dims(), c.output(0).dims, n);
   double lowest = is_float(x.element()) ? -INFINITY : -9.2e18;
   Value xp = pad_input(c.b, x, lowest, p);
-  Value ip = pad_input(c.b, spatial_positions(c.b, x.dims(), p.lead), -1, p);
-  std::optional<Value> best, best_i;
-  for_each_offset(p, [&](const Dims& start) {
-    Value v = window_slice(c.b, xp, p, start), i = window_slice(c.b, ip, p, start);
-    if (!best) {
-      best = v;
-      best_i = i;
-      return;
-    }
-    Value take = c.b.compare(v, *best, Compare::GT);
-    if (is_float(v.element())) take = c.b.binary("or", take, c.b.compare(v, v, Compare::NE));
-    best = c.b.select(take, v, *best);
-    best_i = c.b.select(take, i, *best_i);
-  });
-  return {*best, *best_i};
+  Value ip = pad_input(c.b, spatial_positions(c.b, x.dims(), p.lead), 9.2e18, p);
+  Dims window = with_spatial(Dims(p.lead, 1), p.lead, p.kernel), strides = with_spatial(Dims(p.lead, 1), p.lead, p.stride);
+  Dims dilations = with_spatial(Dims(p.lead, 1), p.lead, p.dilation);
+  auto r = c.b.reduce_window_max_arg(xp, ip, c.b.constant(lowest, x.element()),
+                                     c.b.constant_int(INT64_MAX, ElementType::S64), window, strides, dilations);
+  Dims out = with_spatial(x.dims(), p.lead, p.out);
+  Dims zero(out.size(), 0), step(out.size(), 1);
+  return {c.b.slice(r[0], zero, out, step), c.b.slice(r[1], zero, out, step)};
 }
 std::vector<Value> lower_max_pool2d(Context& c) { return max_pool(c, 2); }
 std::vector<Value> lower_max_pool3d(Context& c) { return max_pool(c, 3); }
 
 // (grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+// As on CPU: each output's gradient is added at its recorded input position
+// (one scatter over [lead, spatial] planes).
 std::vector<Value> max_pool_backward(Context& c, size_t n) {
   ElementType e = widen(c.output(0).element);
   Value g = input(c, "grad_output", e), indices = c.b.convert(c.tensor("indices"), ElementType::S64);
   Dims x_dims = c.tensor_dims("self");
-  Pool p = pool_of(c, x_dims, g.dims(), n);
-  Value ip = pad_input(c.b, spatial_positions(c.b, x_dims, p.lead), -1, p);
-  Value acc = c.b.constant(0, e, with_spatial(x_dims, p.lead, p.padded));
-  for_each_offset(p, [&](const Dims& start) {
-    Value hit = c.b.compare(window_slice(c.b, ip, p, start), indices, Compare::EQ);
-    acc = add(c.b, acc, window_unslice(c.b, c.b.select(hit, g, zeros_like(c.b, g)), p, start));
-  });
-  return {unpad(c.b, acc, p)};
+  size_t lead = x_dims.size() - n;
+  int64_t planes = 1, plane = 1, outs = 1;
+  for (size_t i = 0; i < x_dims.size(); ++i) (i < lead ? planes : plane) *= x_dims[i];
+  for (size_t i = lead; i < g.dims().size(); ++i) outs *= g.dims()[i];
+  Value updates = c.b.reshape(g, {planes, outs});
+  Value at = c.b.reshape(indices, {planes, outs, 1});
+  Value plane_of = c.b.iota(TensorType{ElementType::S64, {planes, outs, 1}}, 0);
+  Value where = c.b.concatenate({plane_of, at}, 2);
+  Builder::ScatterDims dn{{}, {0, 1}, {}, {}, {0, 1}, 2};
+  Value acc = c.b.scatter(c.b.constant(0, e, {planes, plane}), where, updates, dn, Reducer::Add);
+  return {c.b.reshape(acc, x_dims)};
 }
 std::vector<Value> lower_max_pool2d_backward(Context& c) { return max_pool_backward(c, 2); }
 std::vector<Value> lower_max_pool3d_backward(Context& c) { return max_pool_backward(c, 3); }

@@ -1,0 +1,165 @@
+"""Regressions found by running PyTorch's own device-generic tests on `tpu`.
+
+Each test compares with CPU PyTorch: the same values, or the same error type
+and message, as the CPU kernel.
+"""
+import time
+import warnings
+
+import pytest
+import torch
+import torch_pjrt  # noqa: F401
+
+warnings.filterwarnings("ignore", message="torch_pjrt:")
+
+
+def cpu_error(fn, *args, **kwargs):
+    """Runs fn on CPU and on tpu copies of the tensor args; returns both exceptions."""
+    errors = []
+    for device in ("cpu", "tpu"):
+        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        try:
+            out = fn(*moved, **kwargs)
+            if isinstance(out, torch.Tensor):
+                out.cpu()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - the type is what we compare
+            errors.append(e)
+    return errors
+
+
+def assert_same_error(fn, *args, **kwargs):
+    cpu, tpu = cpu_error(fn, *args, **kwargs)
+    assert cpu is not None, "the CPU accepts this call; the test is wrong"
+    assert tpu is not None, f"tpu did not raise; CPU raises {type(cpu).__name__}: {cpu}"
+    assert type(tpu) is type(cpu), f"tpu raised {type(tpu).__name__}: {tpu}; CPU raises {type(cpu).__name__}: {cpu}"
+    assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"
+
+
+# ---- errors: a meta kernel or decomposition that rejects sends the call to the CPU kernel ----
+
+def test_add_float_alpha_with_integer_and_bool_tensors():
+    for dtype in (torch.int32, torch.bool):
+        x = torch.ones(4, dtype=dtype)
+        assert_same_error(lambda a: torch.add(a, a, alpha=1.1), x)
+
+
+def test_integer_addcdiv_raises_cpu_message():
+    t = torch.tensor(1, dtype=torch.int16)
+    assert_same_error(lambda a: torch.addcdiv(a, a, a), t)
+    assert_same_error(lambda a: torch.addcdiv(a, a, a, out=a), t)
+    assert_same_error(lambda a: a.clone().addcdiv_(a, a), t)
+
+
+def test_clamp_without_bounds_raises_cpu_message():
+    x = torch.randn(10)
+    assert_same_error(lambda a: a.clamp(), x)
+    assert_same_error(lambda a: a.clone().clamp_(), x)
+
+
+def test_heaviside_mixed_dtypes_raises():
+    x = torch.tensor([-1.0, 0.0, 2.0])
+    v = torch.tensor([1], dtype=torch.int8)
+    assert_same_error(torch.heaviside, x, v)
+
+
+def test_heaviside_same_dtypes_matches_cpu():
+    x = torch.tensor([-1.0, 0.0, 2.0, float("nan")])
+    v = torch.tensor([0.5])
+    torch.testing.assert_close(torch.heaviside(x.to("tpu"), v.to("tpu")).cpu(), torch.heaviside(x, v),
+                               equal_nan=True)
+
+
+def test_index_errors_match_cpu():
+    a = torch.ones(2, 3)
+    assert_same_error(lambda t: t[torch.tensor([True, False, True])], a)  # mask of the wrong length
+    assert_same_error(lambda t: t[torch.tensor([], dtype=torch.float)], a)  # float indices
+
+
+def test_adaptive_pool_backward_empty_output_message():
+    x = torch.randn(1, 64, 10, 9)
+
+    def run(t):
+        t = t.detach().requires_grad_()
+        out = torch.nn.functional.adaptive_avg_pool2d(t, (0, 0))
+        out.sum().backward()
+        return t.grad
+
+    assert_same_error(run, x)
+
+
+# ---- decompositions: a 0-d CPU tensor joins the device (as on CUDA) ----
+
+def test_copysign_with_cpu_scalar_tensor():
+    b = torch.tensor([[4.0, -8.0, -0.0], [0.0, -1.0, 3.0]])
+    expected = torch.copysign(torch.tensor(1.0), b)
+    got = torch.copysign(torch.tensor(1.0), b.to("tpu"))
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), expected)
+    assert torch.equal(torch.signbit(got.cpu()), torch.signbit(expected))
+
+
+# ---- max pooling: one windowed reduction, compile time independent of the kernel volume ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_max_pool3d_large_kernel_matches_cpu(dtype, channels_last):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, 8, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    results = []
+    for device in ("cpu", "tpu"):
+        t = x.detach().to(device).requires_grad_()
+        out, ind = torch.nn.functional.max_pool3d(t, 7, 7, return_indices=True)
+        out.backward(torch.arange(out.numel(), dtype=dtype).reshape(out.shape).to(device))
+        results.append((out.detach().cpu(), ind.cpu(), t.grad.cpu()))
+    (o_cpu, i_cpu, g_cpu), (o_tpu, i_tpu, g_tpu) = results
+    torch.testing.assert_close(o_tpu, o_cpu)
+    torch.testing.assert_close(i_tpu, i_cpu)
+    torch.testing.assert_close(g_tpu, g_cpu)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(2, 3), stride=1),
+                                    dict(kernel_size=3, stride=2, dilation=2, ceil_mode=True),
+                                    dict(kernel_size=2, stride=2, ceil_mode=True)])
+def test_max_pool2d_ties_nan_padding_and_overlap_match_cpu(kwargs):
+    torch.manual_seed(0)
+    x = torch.randint(-2, 3, (2, 3, 9, 10)).float()  # many ties
+    x[0, 0, 1, 1] = float("nan")
+    x[1, 2] = -float("inf")  # all -inf plane: indices must not point into the padding
+    results = []
+    for device in ("cpu", "tpu"):
+        t = x.detach().to(device).requires_grad_()
+        out, ind = torch.nn.functional.max_pool2d(t, return_indices=True, **kwargs)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().cpu(), ind.cpu(), t.grad.cpu()))
+    (o_cpu, i_cpu, g_cpu), (o_tpu, i_tpu, g_tpu) = results
+    torch.testing.assert_close(o_tpu, o_cpu, equal_nan=True)
+    torch.testing.assert_close(i_tpu, i_cpu)
+    torch.testing.assert_close(g_tpu, g_cpu)
+
+
+def test_max_pool3d_fused_graph_compiles_quickly():
+    # The unrolled lowering made a graph of ~11k ops that XLA compiled for minutes.
+    x = torch.randn(4, 8, 8, 8, 8, device="tpu").requires_grad_()
+    start = time.time()
+    out, _ = torch.nn.functional.max_pool3d(x, 7, 7, return_indices=True)
+    out.backward(torch.ones_like(out))
+    x.grad.cpu()
+    assert time.time() - start < 30
+
+
+@pytest.mark.parametrize("dims,fmt", [((2, 3, 6, 6), torch.channels_last), ((2, 3, 6, 6, 6), torch.channels_last_3d)])
+def test_max_pool_keeps_channels_last_as_cpu(dims, fmt):
+    x = torch.randn(*dims).contiguous(memory_format=fmt)
+    pool = torch.nn.functional.max_pool2d if len(dims) == 4 else torch.nn.functional.max_pool3d
+    for device in ("cpu", "tpu"):
+        t = x.detach().to(device).requires_grad_()
+        out, ind = pool(t, 2, 2, return_indices=True)
+        out.backward(torch.ones_like(out))
+        got = (out.is_contiguous(memory_format=fmt), ind.is_contiguous(memory_format=fmt),
+               t.grad.is_contiguous(memory_format=fmt))
+        if device == "cpu":
+            expected = got
+    assert got == expected
