@@ -22,13 +22,15 @@ demo: build
 check-binaries:
 	sh tools/check_no_binaries.sh
 
-# C++ runtime tests, then the Python suite in each execution mode (debug
+# C++ runtime tests, then the Python suite in each execution mode (files marked
+# modes_inside pick their modes themselves and run once, in the fused pass; debug
 # skips the OpInfo sweep: it only adds waiting to strict's programs).
 test: check-binaries build
 	cd $(BUILD) && ctest --output-on-failure
-	for mode in strict fused lazy; do \
-	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider tests/python || exit 1; done
-	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider tests/python -k "not opinfo"
+	TORCH_PJRT_MODE=fused $(PY) -m pytest -q -p no:cacheprovider tests/python
+	for mode in strict lazy; do \
+	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python || exit 1; done
+	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python -k "not opinfo"
 
 bench: build
 	PYTHONPATH=python $(PY) benchmarks/bench_eager.py

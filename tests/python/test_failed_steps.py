@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 
 def make_model():
     torch.manual_seed(0)

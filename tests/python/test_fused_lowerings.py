@@ -14,6 +14,8 @@ import torch.utils._pytree as pytree
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 MODES = ["fused", "strict"]
 
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import torch_pjrt
 from conftest import DEVICE, to_dev
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 MODES = ["strict", "fused", "lazy", "debug"]
 HERE = os.path.basename(__file__)
 

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 DEVICE = "tpu"
 CL = torch.channels_last
 CL3 = torch.channels_last_3d

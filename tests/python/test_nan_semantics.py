@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import torch_pjrt
 from conftest import to_cpu, to_dev
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 NAN, INF = float("nan"), float("inf")
 MODES = ["fused", "strict"]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 MODES = ["fused", "strict"]
 TOL = dict(atol=1e-4, rtol=1e-4)
 

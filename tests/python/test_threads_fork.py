@@ -21,6 +21,8 @@ import torch
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
 MODES = ["strict", "fused", "debug", "lazy"]
 THREADS = 4
 
