@@ -87,7 +87,9 @@ inline void check_in_range(Context& c, Value index, int64_t size, bool allow_neg
   Builder& b = c.b;
   int64_t n = index.type.element_count();
   if (n == 0) return;
-  Value flat = b.reshape(b.convert(index, ElementType::S64), {n});
+  // The barrier keeps XLA from folding the check of a constant index (a
+  // `torch.zeros` index): XLA:CPU folded it to a failure.
+  Value flat = b.unary("optimization_barrier", b.reshape(b.convert(index, ElementType::S64), {n}));
   Value below = b.compare(flat, b.constant_int(allow_negative ? -size : 0, ElementType::S64, {n}), hlo::Compare::LT);
   Value above = b.compare(flat, b.constant_int(size, ElementType::S64, {n}), hlo::Compare::GE);
   Value positions = b.iota(TensorType{ElementType::S64, {n}}, 0);
@@ -103,7 +105,8 @@ inline void check_in_range(Context& c, Value index, int64_t size, bool allow_neg
 inline void check_nonzero_divisor(Context& c, const Value& divisor) {
   Builder& b = c.b;
   if (is_float(divisor.element()) || divisor.element() == ElementType::Pred || divisor.type.element_count() == 0) return;
-  Value nonzero = b.compare(divisor, b.constant_int(0, divisor.element(), divisor.dims()), hlo::Compare::NE);
+  Value kept = b.unary("optimization_barrier", divisor);  // as in check_in_range: no folding of constant divisors
+  Value nonzero = b.compare(kept, b.constant_int(0, divisor.element(), divisor.dims()), hlo::Compare::NE);
   Value ok = b.reduce(nonzero, b.constant_bool(true), all_dims(divisor.rank()), hlo::Reducer::And);
   c.check(RuntimeCheck{ok, b.constant_int(0, ElementType::S64), CheckError::Runtime, "ZeroDivisionError"});
 }
