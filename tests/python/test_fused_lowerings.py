@@ -152,7 +152,7 @@ KNOWN = {
 # out= of another dtype: lowerings compute in the out tensor's dtype where
 # the CPU computes in the inputs' and casts (1 + 1 in bool is True, 1.0 in
 # half, not 2.0). Known limit: the meta kernel gives only the out dtype.
-KNOWN_OUT = {("add", torch.bool), ("mul", torch.bool), ("sub", torch.bool)}
+KNOWN_OUT = set()  # out= of another dtype computes in the functional dtype (executor), as on the CPU
 
 
 def _lowered_base(op):
