@@ -163,3 +163,77 @@ def test_max_pool_keeps_channels_last_as_cpu(dims, fmt):
         if device == "cpu":
             expected = got
     assert got == expected
+
+
+# ---- index_put_ values that do not broadcast to the indexing result ----
+
+def _setitem(a, index, value):
+    a = a.clone()
+    a[index] = value
+    return a
+
+
+@pytest.mark.parametrize("index, value_shape", [
+    (lambda d: torch.tensor([0, 1], device=d), (3, 3)),  # 2 rows indexed, 3 given
+    (lambda d: torch.tensor(True, device=d), (5, 1, 5, 3)),  # a prefix of non-1 sizes
+    (lambda d: (torch.tensor([0, 1], device=d), slice(None)), (2, 2)),
+])
+def test_setitem_value_shape_mismatch_raises_cpu_error(index, value_shape):
+    for device in ("cpu", "tpu"):
+        a = torch.zeros(5, 3, device=device)
+        with pytest.raises(RuntimeError, match="shape mismatch: value tensor of shape") as info:
+            a[index(device)] = torch.ones(value_shape, device=device)
+        assert "cannot be broadcast to indexing result of shape" in str(info.value)
+        # The error is raised at the call and leaves the tensor (and its graph) usable.
+        a[index(device)] = 2.0
+        got = a.cpu()
+        expected = torch.zeros(5, 3)
+        expected[index("cpu")] = 2.0
+        torch.testing.assert_close(got, expected)
+
+
+def test_index_put_value_shape_mismatch_raises_cpu_message():
+    a = torch.zeros(5, 3)
+    idx = (torch.tensor([0, 1]),)
+    assert_same_error(lambda t, v: t.clone().index_put_(idx, v), a, torch.ones(3, 3))
+    assert_same_error(lambda t, v: t.clone().index_put_(idx, v, accumulate=True), a, torch.ones(3, 3))
+    assert_same_error(lambda t, v: torch.index_put(t, idx, v), a, torch.ones(2, 2))
+
+
+def test_index_put_broadcasting_value_matches_cpu():
+    a = torch.randn(5, 3)
+    idx = torch.tensor([4, 0])
+    for v in (torch.randn(3), torch.randn(2, 1), torch.randn(1, 3), torch.randn(2, 3)):
+        got = torch.index_put(a.to("tpu"), (idx.to("tpu"),), v.to("tpu")).cpu()
+        torch.testing.assert_close(got, torch.index_put(a, (idx,), v))
+
+
+# ---- CPU kernels without integer or bool versions raise as on the CPU ----
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("name, fn", [
+    ("adaptive_avg_pool2d", lambda x: torch.nn.functional.adaptive_avg_pool2d(x, (2, 2))),
+    ("adaptive_avg_pool3d", lambda x: torch.nn.functional.adaptive_avg_pool3d(x[None], (2, 2, 2))),
+    ("adaptive_max_pool2d", lambda x: torch.nn.functional.adaptive_max_pool2d(x, (2, 2))),
+    ("avg_pool2d", lambda x: torch.nn.functional.avg_pool2d(x, 2)),
+    ("softmax", lambda x: torch.softmax(x, 0)),
+    ("gelu", torch.nn.functional.gelu),
+    ("silu", torch.nn.functional.silu),
+])
+def test_integer_inputs_to_float_only_kernels_raise_cpu_error(dtype, name, fn):
+    x = (torch.randn(4, 4, 4, 4) * 3).to(dtype)
+    cpu, tpu = cpu_error(fn, x)
+    if cpu is None:  # this dtype has a CPU kernel: same values
+        torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x))
+        return
+    # NotImplementedError is a RuntimeError; a Python decomposition's fallback
+    # (adaptive_max_pool2d) re-raises it through the dispatcher as RuntimeError.
+    assert isinstance(tpu, RuntimeError), f"tpu: {tpu!r}; CPU: {cpu!r}"
+    assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"
+
+
+def test_integer_ops_with_kernels_still_run():
+    x = torch.arange(-8, 8, dtype=torch.int32).reshape(4, 4)
+    for fn in (lambda t: t + 1, lambda t: t.cumsum(0), lambda t: t.clamp(-2, 3), lambda t: torch.relu(t),
+               lambda t: t.sum(1), lambda t: torch.nn.functional.max_pool2d(t[None].float(), 2)):
+        torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x))
