@@ -624,6 +624,35 @@ void check_cpu_kernel_rules(const Call& call) {
   }
 }
 
+// Saved statistics of CPU's layer and batch norms: the meta kernels (modelled
+// on CUDA) say float32 for half inputs; the CPU kernels save them in the
+// parameters' dtype (float32 only when a weight, bias or running stat is), and
+// batch norm in eval mode saves none (empty tensors).
+void apply_cpu_norm_stats_rules(const Call& call, MetaResult& meta) {
+  std::string base = base_name(call.schema);
+  bool layer = base == "native_layer_norm", batch = base == "native_batch_norm";
+  if ((!layer && !batch) || meta.outputs.size() < 3) return;
+  at::ScalarType input = call.args[*call.schema.argumentIndexWithName("input")].toTensor().scalar_type();
+  at::ScalarType stats = input;
+  for (const char* name : {"weight", "bias", "running_mean", "running_var"}) {
+    auto i = call.schema.argumentIndexWithName(name);
+    if (i && call.args[*i].isTensor() && call.args[*i].toTensor().scalar_type() == at::kFloat) stats = at::kFloat;
+  }
+  bool eval_with_running = batch && !call.args[*call.schema.argumentIndexWithName("training")].toBool() &&
+                           call.args[*call.schema.argumentIndexWithName("running_mean")].isTensor() &&
+                           call.args[*call.schema.argumentIndexWithName("running_var")].isTensor();
+  for (size_t i : {1, 2}) {
+    if (input == at::kHalf || input == at::kBFloat16) {
+      meta.dtypes[i] = stats;
+      meta.outputs[i].element = element_or_throw(stats);
+    }
+    if (eval_with_running) {
+      meta.outputs[i].dims = {0};
+      meta.strides[i] = {};
+    }
+  }
+}
+
 // Output layouts CPU kernels choose where the meta kernels say row-major:
 // convolutions (and their gradients) run channels_last when the input or the
 // weight is (3-d convolutions in float64 have no channels_last kernel).
@@ -763,6 +792,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   check_on_cpu_where_meta_may_not(call);
   cached->meta = infer_meta(call);
   apply_cpu_layout_rules(call, cached->meta);
+  apply_cpu_norm_stats_rules(call, cached->meta);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;

@@ -237,3 +237,62 @@ def test_integer_ops_with_kernels_still_run():
     for fn in (lambda t: t + 1, lambda t: t.cumsum(0), lambda t: t.clamp(-2, 3), lambda t: torch.relu(t),
                lambda t: t.sum(1), lambda t: torch.nn.functional.max_pool2d(t[None].float(), 2)):
         torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x))
+
+
+# ---- layer and batch norm statistics: the CPU kernels' dtypes and shapes ----
+
+def _outputs_match_cpu(fn, *args, atol, rtol):
+    expected = fn(*args)
+    actual = fn(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+    for e, a in zip(expected, actual):
+        a = a.cpu()
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), f"tpu {a.dtype}{list(a.shape)}, CPU {e.dtype}{list(e.shape)}"
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
+
+
+_LOW_TOL = {torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=0.1, rtol=0.1),
+            torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("param_dtype", ["none", "same", "float32"])
+def test_native_layer_norm_statistics_match_cpu(dtype, param_dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=dtype)
+    w = None if param_dtype == "none" else torch.randn(4, dtype=dtype if param_dtype == "same" else torch.float32)
+    _outputs_match_cpu(lambda x, w: torch.native_layer_norm(x, [4], w, w, 1e-5), x, w, **_LOW_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("param_dtype", ["none", "same", "float32"])
+def test_native_batch_norm_statistics_match_cpu(dtype, training, param_dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=dtype)
+    if param_dtype == "none" and not training:
+        pytest.skip("eval mode without running stats crashes the CPU kernel")
+    pdt = dtype if param_dtype in ("none", "same") else torch.float32
+    rm, rv = torch.randn(3, dtype=pdt), torch.rand(3, dtype=pdt) + 0.5
+    w = None if param_dtype == "none" else torch.randn(3, dtype=pdt)
+    if param_dtype == "none":
+        rm = rv = None
+    _outputs_match_cpu(lambda x, w, rm, rv: torch.native_batch_norm(x, w, w, rm, rv, training, 0.1, 1e-5),
+                       x, w, rm, rv, **_LOW_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_norm_gradients_match_cpu(dtype):
+    torch.manual_seed(0)
+    x, w, g = torch.randn(4, 3, 5, dtype=dtype), torch.randn(5, dtype=dtype), torch.randn(4, 3, 5, dtype=dtype)
+    norms = [lambda x, w: torch.nn.functional.layer_norm(x, [5], w, w),
+             lambda x, w: torch.nn.functional.batch_norm(x, None, None, w[:3], w[:3], training=True)]
+    for norm in norms:
+        grads = []
+        for device in ("cpu", "tpu"):
+            xx, ww = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
+            y = norm(xx, ww)
+            y.backward(g.to(device))
+            grads.append([xx.grad.cpu(), ww.grad.cpu()])
+        for e, a in zip(*grads):
+            assert a.dtype == e.dtype
+            torch.testing.assert_close(a.float(), e.float(), atol=0.05 * e.float().abs().max().item(), rtol=0.05)
