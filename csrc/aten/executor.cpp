@@ -277,11 +277,27 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   }
   return any_empty || (out_dtype_differs && !input_dtypes.empty());
 }
-void probe_on_cpu(const Call& call);
+// Meta kernels do not check the dtypes a CPU kernel is built for (softmax,
+// gelu, avg_pool2d of integers): calls with integer or bool tensors probe the
+// CPU kernel for that error only (other errors of stand-ins are no verdict).
+bool has_integral_tensor(const Call& call) {
+  bool found = false;
+  for (const auto& v : call.args) {
+    if (v.isGenerator() && !v.isNone()) return false;
+    map_tensors(v, [&](const at::Tensor& t) {
+      found = found || (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number() &&
+                        at::isIntegralType(t.scalar_type(), /*includeBool=*/true));
+      return t;
+    });
+  }
+  return found;
+}
+void probe_on_cpu(const Call& call, bool only_dtype_errors = false);
 void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
-  if (!meta_may_miss_an_error(call, &total) || total > (int64_t{1} << 22)) return;
-  probe_on_cpu(call);
+  bool may_miss = meta_may_miss_an_error(call, &total);
+  if (may_miss && total <= (int64_t{1} << 22)) return probe_on_cpu(call);
+  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call)) probe_on_cpu(call, true);
 }
 
 // The op's meta kernel raised: the CPU kernel decides (its error, or its result).
@@ -570,6 +586,22 @@ void check_memory_overlap(const Call& call) {
   }
 }
 
+// The CPU kernel checks the value broadcasts to the indexing result; the meta
+// kernel does not (a mismatch would fail compiling the lowering instead).
+void check_index_put_value_shape(const Call& call, const at::Tensor& self, const at::Tensor& values) {
+  const auto& indices = call.args[*call.schema.argumentIndexWithName("indices")];
+  bool by_mask = false;  // boolean masks select data-dependent counts: the kernel checks those
+  map_tensors(indices, [&](const at::Tensor& t) {
+    by_mask = by_mask || (t.defined() && (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte));
+    return t;
+  });
+  if (by_mask) return;
+  auto meta_indices = meta_value(indices).to<c10::List<std::optional<at::Tensor>>>();
+  at::Tensor result = at::index(at::empty(self.sizes(), self.options().device(at::kMeta)), meta_indices);
+  TORCH_CHECK(at::is_expandable_to(values.sizes(), result.sizes()), "shape mismatch: value tensor of shape ",
+              values.sizes(), " cannot be broadcast to indexing result of shape ", result.sizes());
+}
+
 // Checks CPU kernels make in their bodies, outside the meta functions.
 void check_cpu_kernel_rules(const Call& call) {
   std::string base = base_name(call.schema);
@@ -588,6 +620,36 @@ void check_cpu_kernel_rules(const Call& call) {
     TORCH_CHECK(values.scalar_type() == self.scalar_type(),
                 "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
                 " for the destination and ", values.scalar_type(), " for the source.");
+    check_index_put_value_shape(call, self, values);
+  }
+}
+
+// Saved statistics of CPU's layer and batch norms: the meta kernels (modelled
+// on CUDA) say float32 for half inputs; the CPU kernels save them in the
+// parameters' dtype (float32 only when a weight, bias or running stat is), and
+// batch norm in eval mode saves none (empty tensors).
+void apply_cpu_norm_stats_rules(const Call& call, MetaResult& meta) {
+  std::string base = base_name(call.schema);
+  bool layer = base == "native_layer_norm", batch = base == "native_batch_norm";
+  if ((!layer && !batch) || meta.outputs.size() < 3) return;
+  at::ScalarType input = call.args[*call.schema.argumentIndexWithName("input")].toTensor().scalar_type();
+  at::ScalarType stats = input;
+  for (const char* name : {"weight", "bias", "running_mean", "running_var"}) {
+    auto i = call.schema.argumentIndexWithName(name);
+    if (i && call.args[*i].isTensor() && call.args[*i].toTensor().scalar_type() == at::kFloat) stats = at::kFloat;
+  }
+  bool eval_with_running = batch && !call.args[*call.schema.argumentIndexWithName("training")].toBool() &&
+                           call.args[*call.schema.argumentIndexWithName("running_mean")].isTensor() &&
+                           call.args[*call.schema.argumentIndexWithName("running_var")].isTensor();
+  for (size_t i : {1, 2}) {
+    if (input == at::kHalf || input == at::kBFloat16) {
+      meta.dtypes[i] = stats;
+      meta.outputs[i].element = element_or_throw(stats);
+    }
+    if (eval_with_running) {
+      meta.outputs[i].dims = {0};
+      meta.strides[i] = {};
+    }
   }
 }
 
@@ -658,7 +720,7 @@ std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& sc
 // a check CPU makes outside the meta kernels raises CPU's own error (type and
 // message). Stand-ins are ones (valid divisors; read-only inputs are expanded
 // scalars, so no memory) and zeros for index arguments (valid for any size).
-void probe_on_cpu(const Call& call) {
+void probe_on_cpu(const Call& call, bool only_dtype_errors) {
   torch::jit::Stack stack;
   for (size_t i = 0; i < call.args.size(); ++i) {
     const auto& v = call.args[i];
@@ -681,6 +743,8 @@ void probe_on_cpu(const Call& call) {
     // No CPU kernel to ask: the meta kernel's checks are all there are. (A
     // kernel without this dtype raises as the CPU does.)
     if (std::string(e.what()).find("Could not run") == std::string::npos) throw;
+  } catch (const std::exception&) {
+    if (!only_dtype_errors) throw;
   }
 }
 
@@ -728,6 +792,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   check_on_cpu_where_meta_may_not(call);
   cached->meta = infer_meta(call);
   apply_cpu_layout_rules(call, cached->meta);
+  apply_cpu_norm_stats_rules(call, cached->meta);
   cached->entry = &entry;
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;

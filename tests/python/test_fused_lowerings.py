@@ -143,12 +143,7 @@ SWEEP_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, 
 RANDOM = {"exponential", "normal", "uniform", "bernoulli", "cauchy", "geometric", "log_normal", "random",
           "multinomial", "rand_like", "randn_like", "randint_like", "native_dropout"}
 VALUES_ONLY = {"sort", "topk", "kthvalue", "argsort", "msort", "mode", "median", "nanmedian"}
-KNOWN = {
-    # The meta kernels (modelled on CUDA) say float32 saved statistics where
-    # the CPU's kernels return half ones; the outputs themselves match.
-    ("native_layer_norm", torch.float16), ("native_layer_norm", torch.bfloat16),
-    ("native_batch_norm", torch.float16), ("native_batch_norm", torch.bfloat16),
-}
+KNOWN = set()  # norms' saved statistics follow the CPU's dtypes (executor's apply_cpu_norm_stats_rules)
 # out= of another dtype: lowerings compute in the out tensor's dtype where
 # the CPU computes in the inputs' and casts (1 + 1 in bool is True, 1.0 in
 # half, not 2.0). Known limit: the meta kernel gives only the out dtype.

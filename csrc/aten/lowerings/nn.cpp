@@ -538,12 +538,9 @@ std::vector<Value> lower_batch_norm(Context& c) {
   Value y = mul(c.b, sub(c.b, x, per_channel(c.b, mean, x.dims())), per_channel(c.b, invstd, x.dims()));
   if (c.has("weight")) y = mul(c.b, y, per_channel(c.b, input(c, "weight", e), x.dims()));
   if (c.has("bias")) y = add(c.b, y, per_channel(c.b, input(c, "bias", e), x.dims()));
-  std::vector<Value> out{y, c.b.reshape(mean, c.output(1).dims), c.b.reshape(invstd, c.output(2).dims)};
-  if (!training) {
-    // Eval mode saves nothing (empty tensors) and leaves the running stats.
-    out[1] = c.b.constant(0, e, c.output(1).dims);
-    out[2] = c.b.constant(0, e, c.output(2).dims);
-  }
+  // Eval mode saves nothing (empty tensors on the CPU) and leaves the running stats.
+  std::vector<Value> out{y, training ? c.b.reshape(mean, c.output(1).dims) : c.b.constant(0, e, c.output(1).dims),
+                         training ? c.b.reshape(invstd, c.output(2).dims) : c.b.constant(0, e, c.output(2).dims)};
   double n = static_cast<double>(x.type.element_count() / std::max<int64_t>(1, x.dims()[1]));
   auto update = [&](Value running, Value batch) {
     if (!training) return running;
