@@ -5,14 +5,14 @@ BUILD ?= build
 # the CPU PJRT plugin and its header, test tools (transformers: tiny random-init
 # models in the tests, nothing downloaded), a compiler cache.
 deps:
-	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers
+	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers setuptools
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
 	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
 	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \
 	  (apt-get update -q && apt-get install -y -q libgtest-dev ccache)
 
 build: deps
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$$(command -v $(PY))
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DTORCH_PJRT_BUILD_TESTS=ON -DPython3_EXECUTABLE=$$(command -v $(PY))
 	ninja -C $(BUILD) -j2
 
 demo: build

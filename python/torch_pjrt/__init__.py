@@ -8,6 +8,16 @@ path to a PJRT plugin .so. The execution mode by TORCH_PJRT_MODE.
 """
 from __future__ import annotations
 
+
+def _autoload() -> None:
+    """The `torch.backends` entry point: `import torch` imports this package, which registers `tpu`.
+
+    Defined before `import torch`: when the user imports torch_pjrt first, torch's
+    autoload finds this half-imported module and calls this no-op, and the
+    import goes on once torch is ready.
+    """
+
+
 import contextlib
 import os
 import threading

@@ -1,0 +1,64 @@
+"""`python -m torch_pjrt`: what torch_pjrt finds on this machine, one fact a line.
+
+Every line is `name: value`; a failure to start the device is printed, not raised,
+so the report says what is wrong.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _directory_size(path: str) -> tuple[int, int]:
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                size += os.path.getsize(os.path.join(root, name))
+                files += 1
+            except OSError:
+                pass  # removed while we walked (another process evicting)
+    return files, size
+
+
+def diagnosis() -> list[tuple[str, str]]:
+    import torch
+
+    import torch_pjrt
+    from torch_pjrt import _C
+
+    facts = [("torch_pjrt", os.path.dirname(torch_pjrt.__file__)),
+             ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
+             ("python", sys.version.split()[0]),
+             ("plugin", _C._plugin_path())]
+    try:
+        info = torch_pjrt.platform()
+        facts += [("platform", f"{info['name']} {info['version']}"),
+                  ("device kind", info["device_kind"]),
+                  ("PJRT C API version", info["api_version"]),
+                  ("devices", f"{torch.tpu.device_count()} ({', '.join(f'tpu:{i}' for i in range(torch.tpu.device_count()))})")]
+    except RuntimeError as e:
+        facts.append(("device error", str(e).splitlines()[0]))
+    facts.append(("mode", torch_pjrt.get_mode()))
+    cache = os.environ.get("TORCH_PJRT_CACHE_DIR")
+    if cache:
+        files, size = _directory_size(cache) if os.path.isdir(cache) else (0, 0)
+        facts.append(("compile cache", f"{cache} ({files} files, {size} bytes)"))
+    else:
+        facts.append(("compile cache", "memory only (set TORCH_PJRT_CACHE_DIR for a persistent one)"))
+    from importlib.metadata import entry_points
+
+    points = [f"{p.name} = {p.value}" for p in entry_points(group="torch.backends") if p.value.startswith("torch_pjrt")]
+    facts.append(("torch.backends entry point", points[0] if points else "not installed (pip install --no-build-isolation .)"))
+    autoload = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
+    facts.append(("autoload at import torch", "on" if autoload else "off (TORCH_DEVICE_BACKEND_AUTOLOAD=0)"))
+    return facts
+
+
+def main() -> None:
+    for name, value in diagnosis():
+        print(f"{name}: {value}")
+
+
+if __name__ == "__main__":
+    main()

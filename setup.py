@@ -1,0 +1,42 @@
+"""Builds torch_pjrt._C with the project's CMake + Ninja build (see pyproject.toml).
+
+The CMake build directory is ./build (TORCH_PJRT_BUILD_DIR overrides it), the
+same one `make build` uses, so an install after `make build` rebuilds nothing.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        build_dir = os.path.abspath(os.environ.get("TORCH_PJRT_BUILD_DIR", os.path.join(ROOT, "build")))
+        configure = ["cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                     f"-DPython3_EXECUTABLE={sys.executable}"]
+        if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            # A fresh build directory: the C++ tests only where GTest is installed
+            # (`make build` turns them on; it installs GTest).
+            gtest = os.path.exists("/usr/include/gtest/gtest.h")
+            configure.append(f"-DTORCH_PJRT_BUILD_TESTS={'ON' if gtest else 'OFF'}")
+        subprocess.check_call(configure)
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        subprocess.check_call(["ninja", "-C", build_dir, f"-j{jobs}", "_C"])
+        built = os.path.join(ROOT, "python", "torch_pjrt", "_C.so")  # where CMake puts it
+        target = os.path.abspath(self.get_ext_fullpath(ext.name))
+        if target != built:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(built, target)
+
+    def get_ext_filename(self, name):
+        # `_C.so`, the name CMake gives it: a second `_C.cpython-*.so` in the
+        # source tree (editable installs) would shadow later `ninja` rebuilds.
+        return os.path.join(*name.split(".")) + ".so"
+
+
+setup(ext_modules=[Extension("torch_pjrt._C", sources=[])], cmdclass={"build_ext": CMakeBuild})
