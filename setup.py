@@ -39,4 +39,10 @@ class CMakeBuild(build_ext):
         return os.path.join(*name.split(".")) + ".so"
 
 
-setup(ext_modules=[Extension("torch_pjrt._C", sources=[])], cmdclass={"build_ext": CMakeBuild})
+# setuptools' own metadata goes to build/, not python/: a torch_pjrt.egg-info on
+# PYTHONPATH=python would declare the torch.backends entry point to every
+# `import torch` run from the source tree.
+EGG_BASE = os.path.join("build", "egg-info")
+os.makedirs(os.path.join(ROOT, EGG_BASE), exist_ok=True)
+setup(ext_modules=[Extension("torch_pjrt._C", sources=[])], cmdclass={"build_ext": CMakeBuild},
+      options={"egg_info": {"egg_base": EGG_BASE}})
