@@ -85,6 +85,27 @@ DeviceMemory& memory() {
   static DeviceMemory m;
   return m;
 }
+// A live storage counts as allocated, active and reserved alike (nothing is
+// cached), so torch.accelerator's and torch.tpu's statistics agree with CUDA's
+// meaning. Callers hold memory().mutex.
+using StatArray = c10::CachingAllocator::StatArray;
+void track_storage(int device, int64_t bytes, int64_t count) {
+  auto& s = memory().of(device);
+  auto update = [](c10::CachingAllocator::Stat& stat, int64_t amount) {
+    if (amount > 0) stat.increase(amount);
+    if (amount < 0) stat.decrease(-amount);
+  };
+  for (StatArray* bytes_stat : {&s.allocated_bytes, &s.active_bytes, &s.reserved_bytes, &s.requested_bytes})
+    update((*bytes_stat)[0], bytes);
+  for (StatArray* count_stat : {&s.allocation, &s.active, &s.segment}) update((*count_stat)[0], count);
+}
+template <class Reset>
+void reset_stats(int device, Reset reset) {
+  auto& s = memory().of(device);
+  for (StatArray* stat : {&s.allocated_bytes, &s.active_bytes, &s.reserved_bytes, &s.requested_bytes,
+                          &s.allocation, &s.active, &s.segment})
+    reset((*stat)[0]);
+}
 
 // Live storages, so that a storage address coming from Python can be checked.
 std::unordered_set<const StorageState*>& live_storages() {
@@ -96,7 +117,7 @@ void delete_storage(void* ctx) {
   auto* state = static_cast<StorageState*>(ctx);
   {
     std::lock_guard<std::mutex> lock(memory().mutex);
-    memory().of(state->device).allocated_bytes[0].decrease(state->nbytes);
+    track_storage(state->device, -static_cast<int64_t>(state->nbytes), -1);
     live_storages().erase(state);
   }
   delete state;
@@ -122,9 +143,7 @@ struct TpuAllocator final : c10::DeviceAllocator {
     auto* state = new StorageState{nullptr, nbytes, current_device()};
     {
       std::lock_guard<std::mutex> lock(memory().mutex);
-      auto& s = memory().of(state->device);
-      s.allocated_bytes[0].increase(nbytes);
-      s.allocation[0].increase(1);
+      track_storage(state->device, static_cast<int64_t>(nbytes), 1);
       live_storages().insert(state);
     }
     // The data pointer is the state itself: unique per storage, never dereferenced.
@@ -143,11 +162,11 @@ struct TpuAllocator final : c10::DeviceAllocator {
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(memory().mutex);
-    memory().of(device).allocated_bytes[0].reset_accumulated();
+    reset_stats(device, [](c10::CachingAllocator::Stat& stat) { stat.reset_accumulated(); });
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(memory().mutex);
-    memory().of(device).allocated_bytes[0].reset_peak();
+    reset_stats(device, [](c10::CachingAllocator::Stat& stat) { stat.reset_peak(); });
   }
 };
 
@@ -262,8 +281,7 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     // Growth keeps the buffer; reads pad it with zeros up to nbytes.
-    storage_state(storage).nbytes = newsize;
-    storage.unsafeGetStorageImpl()->set_nbytes(newsize);
+    set_storage_bytes(storage, newsize);
   }
 };
 
@@ -364,6 +382,16 @@ void check_device_index(int64_t index) {
 void set_current_device(int index) {
   check_device_index(index);
   g_current_device = index;
+}
+
+void set_storage_bytes(const c10::Storage& storage, size_t nbytes) {
+  StorageState& state = storage_state(storage);
+  {
+    std::lock_guard<std::mutex> lock(memory().mutex);
+    track_storage(state.device, static_cast<int64_t>(nbytes) - static_cast<int64_t>(state.nbytes), 0);
+  }
+  state.nbytes = nbytes;
+  storage.unsafeGetStorageImpl()->set_nbytes(nbytes);
 }
 
 int64_t memory_allocated(int device) {

@@ -79,6 +79,8 @@ int current_device();
 void set_current_device(int index);
 void check_device_index(int64_t index);
 
+// Resizes a storage (its buffer stays; bytes past it read as zeros), counted in the memory statistics.
+void set_storage_bytes(const c10::Storage& storage, size_t nbytes);
 // Bytes held by live storages on `device` (current and peak).
 int64_t memory_allocated(int device);
 int64_t max_memory_allocated(int device);

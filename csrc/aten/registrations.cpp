@@ -56,8 +56,7 @@ void ensure_storage_bytes(const at::Tensor& self, size_t needed) {
   if (needed <= storage.nbytes()) return;
   if (storage_state(storage).pending) flush_pending();  // recorded ops saw the old size
   TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
-  storage_state(storage).nbytes = needed;
-  storage.unsafeGetStorageImpl()->set_nbytes(needed);
+  set_storage_bytes(storage, needed);
 }
 
 size_t bytes_needed(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offset, size_t itemsize) {

@@ -130,7 +130,9 @@ def set_rng_state_all(states) -> None:
         set_rng_state(state, i)
 
 
-# ---- Memory: bytes held by live tpu storages.
+# ---- Memory: bytes held by live tpu storages (a storage's buffer is freed
+# with it; nothing is cached, so reserved equals allocated). The same numbers
+# as torch.accelerator.memory_stats() when tpu is the current accelerator.
 def memory_allocated(device=None) -> int:
     return _C._memory_allocated(_index(device))
 
@@ -139,17 +141,41 @@ def max_memory_allocated(device=None) -> int:
     return _C._max_memory_allocated(_index(device))
 
 
+def memory_reserved(device=None) -> int:
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device=None) -> int:
+    return max_memory_allocated(device)
+
+
 def reset_peak_memory_stats(device=None) -> None:
     _C._reset_peak_memory(_index(device))
 
 
+def reset_max_memory_allocated(device=None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    torch._C._accelerator_resetAccumulatedStats(_index(device))
+
+
 def memory_stats(device=None) -> dict:
+    """torch.cuda.memory_stats()'s keys ("allocated_bytes.all.current", ...) over live tpu storages."""
     i = _index(device)
-    return {"allocated_bytes.all.current": _C._memory_allocated(i), "allocated_bytes.all.peak": _C._max_memory_allocated(i)}
+    stats = dict(torch.accelerator.memory_stats(i)) if is_initialized() else {}
+    stats["allocated_bytes.all.current"] = _C._memory_allocated(i)
+    stats["allocated_bytes.all.peak"] = _C._max_memory_allocated(i)
+    return stats
 
 
 def empty_cache() -> None:
     """Buffers are freed as soon as their storage dies; there is no cache to empty."""
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
 
 
 # ---- Streams and events over the device's single queue.
