@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -17,6 +18,7 @@
 #include "aten/device.h"
 #include "aten/fused_graph.h"
 #include "aten/op_call.h"
+#include "aten/profiling.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"
@@ -857,8 +859,27 @@ CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeC
   add_check_infos(*infos, checks, describe_call(call.schema, call.args), 0);
   return infos;
 }
+// Strict and debug modes: an op recorded at the same user line with a new
+// signature is a recompile; it is noted with what changed, for torch_pjrt.explain().
+void note_op_recompile(const std::string& name, const std::string& description) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, graph::SourceLocation>, std::string> last;  // -> last description
+  graph::SourceLocation location = graph::capture_source_location();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, first] = last.try_emplace({name, location}, description);
+  if (first) return;
+  std::string reason = name + " at " + graph::describe_source_location(location) + " recompiled: " + description +
+                       " where the previous compile had " + it->second;
+  if (it->second == description) reason += " (same shapes and dtypes: strides, storage offset, aliasing or other arguments differ)";
+  graph::note_recompile_reason(std::move(reason));
+  it->second = description;
+}
+
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached) {
+  std::string description = describe_call(call.schema, call.args);
+  note_op_recompile(op_name(call.schema), description);
+  ProfileScope profile([&] { return std::pair{"torch_pjrt::compile(" + description + ")", description}; });
   lowering::Builder b;
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
   std::vector<Value> flats = emit(b, call, cached, ctx);
@@ -916,6 +937,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
     if (cached.operands[i].kind != OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
   pjrt::LoadedExecutable::Result result;
   std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
+  ProfileScope profile([&] { return std::pair{"torch_pjrt::execute(" + op_name(call.schema) + ")", op_name(call.schema)}; });
   {
     // One step for every other thread: read the operands, enqueue, install.
     std::lock_guard<std::mutex> lock(storage_mutex());
@@ -937,6 +959,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   if (cached.checks) defer_checks(result.outputs.back(), cached.checks, {graph::capture_source_location()});
   ++metrics().executions;
   graph::count_lowered_op(op_name(call.schema));
+  if (profile.active() && result.done) result.done->wait();
   track(std::move(result.done));
   if (mode() == Mode::Debug) raise_failed_checks();  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
@@ -1257,7 +1280,7 @@ void note_cpu_fallback(const std::string& name, const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex);
     first = warned.insert(name).second;
   }
-  graph::count_cpu_fallback(name);
+  graph::count_cpu_fallback(name, graph::capture_source_location());
   if (first) {
     TORCH_WARN("torch_pjrt: ", name, " runs on the CPU (", why,
                "); it copies its tensors to the host and back. See torch_pjrt.metrics()['cpu_fallbacks'].");

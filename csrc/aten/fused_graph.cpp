@@ -22,6 +22,7 @@
 #include <mutex>
 
 #include "aten/executor.h"
+#include "aten/profiling.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"
 
@@ -315,6 +316,17 @@ void explain_recompile(const PendingGraph& g) {
   last_descriptions = std::move(descriptions);
 }
 
+// Profiler record of a graph: "torch_pjrt::execute(12 ops: aten::mm, ...)" and every op's signature.
+std::pair<std::string, std::string> graph_profile(const PendingGraph& g, const char* kind) {
+  std::string name = std::string("torch_pjrt::") + kind + "(" + std::to_string(g.ops.size()) + " ops: ";
+  std::string ops;
+  for (size_t k = 0; k < g.ops.size(); ++k) {
+    if (k < 3) name += std::string(k ? ", " : "") + g.ops[k].op.schema().name();
+    ops += (k ? "; " : "") + describe(g.ops[k]);
+  }
+  return {name + (g.ops.size() > 3 ? ", ...)" : ")"), ops};
+}
+
 void clear_graph(PendingGraph& g) {
   {
     std::lock_guard<std::mutex> lock(storage_mutex());
@@ -415,6 +427,7 @@ void run_graph(PendingGraph& g) {
       ++metrics().graph_cache_hits;
     } else {
       explain_recompile(g);
+      ProfileScope profile([&] { return graph_profile(g, "compile"); });
       compiled = compile_graph(g, live, donated);
       std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
       g_graph_cache.emplace(std::move(key), compiled);
@@ -425,8 +438,9 @@ void run_graph(PendingGraph& g) {
     // memory) waits for completion while every input buffer is still held, so
     // a failure the plugin reports asynchronously is still undone here.
     bool first_run = !compiled->ran_once.load();
+    ProfileScope profile([&] { return graph_profile(g, "execute"); });
     auto result = compiled->exe->execute(buffers);
-    if (first_run && result.done) {
+    if ((first_run || profile.active()) && result.done) {
       result.done->wait();
       compiled->ran_once = true;
     }

@@ -10,6 +10,7 @@
 #include "aten/lowering.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
+#include "graph/source_location.h"
 #include "pjrt/error.h"
 
 namespace py = pybind11;
@@ -114,6 +115,13 @@ PYBIND11_MODULE(_C, m) {
     d["cpu_fallbacks"] = s.cpu_fallbacks;
     d["lowered_ops"] = s.lowered_ops;
     d["recompile_reasons"] = s.recompile_reasons;
+    pybind11::dict lines;  // op name -> the user lines that ran it on the CPU
+    for (const auto& [op, locations] : s.cpu_fallback_lines) {
+      pybind11::list described;
+      for (uint32_t location : locations) described.append(graph::describe_source_location(location));
+      lines[pybind11::str(op)] = described;
+    }
+    d["cpu_fallback_lines"] = lines;
     return d;
   });
   m.def("_reset_metrics", &graph::reset_metrics);

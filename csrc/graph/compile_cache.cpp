@@ -1,5 +1,6 @@
 #include "graph/compile_cache.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,9 +28,13 @@ void count_lowered_op(const std::string& name) {
   ++metrics().lowered_ops[name];
 }
 
-void count_cpu_fallback(const std::string& name) {
+void count_cpu_fallback(const std::string& name, uint32_t location) {
   std::lock_guard<std::mutex> lock(metrics_mutex());
   ++metrics().cpu_fallbacks[name];
+  auto& lines = metrics().cpu_fallback_lines[name];
+  constexpr size_t kMaxLines = 10;  // distinct lines kept per op
+  if (location && lines.size() < kMaxLines && std::find(lines.begin(), lines.end(), location) == lines.end())
+    lines.push_back(location);
 }
 
 void note_recompile_reason(std::string reason) {

@@ -64,6 +64,7 @@ struct Metrics {
   Count device_to_host_bytes;
   // Guarded by metrics_mutex(): update through the functions below.
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
+  std::map<std::string, std::vector<uint32_t>> cpu_fallback_lines;  // op name -> distinct user lines (SourceLocation)
   std::map<std::string, int64_t> lowered_ops;    // op name -> executions
   std::vector<std::string> recompile_reasons;    // fused graphs: why a graph compiled again (latest 50)
 };
@@ -71,7 +72,7 @@ struct Metrics {
 Metrics& metrics();
 std::mutex& metrics_mutex();
 void count_lowered_op(const std::string& name);
-void count_cpu_fallback(const std::string& name);
+void count_cpu_fallback(const std::string& name, uint32_t location = 0);  // location: a graph::SourceLocation
 void note_recompile_reason(std::string reason);
 Metrics metrics_snapshot();
 void reset_metrics();

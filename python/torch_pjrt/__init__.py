@@ -31,7 +31,7 @@ from . import device_module
 from . import _decompositions
 
 __all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
-           "platform", "lowered_ops"]
+           "platform", "lowered_ops", "explain"]
 
 MODES = ("debug", "strict", "fused", "lazy")
 
@@ -182,3 +182,37 @@ def platform() -> dict:
 def lowered_ops() -> list:
     """Base names of the ops lowered to StableHLO (everything else falls back to the CPU)."""
     return _C._lowered_ops()
+
+
+class Explanation:
+    """What torch_pjrt.explain() found: recompiles and CPU fallbacks since start (or reset_metrics()).
+
+    recompiles: one sentence per recompile (latest 50): which op or fused graph compiled
+      again and how it differs from the previous compile (shapes, dtypes; else strides,
+      aliasing or arguments).
+    cpu_fallbacks: {op name: {"count": calls, "lines": ["file.py:42 in fn", ...]}}, the
+      user lines that ran the op on the CPU (up to 10 distinct lines per op).
+    """
+
+    def __init__(self, recompiles: list, cpu_fallbacks: dict):
+        self.recompiles = recompiles
+        self.cpu_fallbacks = cpu_fallbacks
+
+    def __str__(self) -> str:
+        lines = [f"recompiles: {len(self.recompiles)}"]
+        lines += [f"  {reason}" for reason in self.recompiles]
+        lines.append(f"CPU fallbacks: {len(self.cpu_fallbacks)} ops")
+        for op, info in sorted(self.cpu_fallbacks.items()):
+            where = ", ".join(info["lines"]) or "lines unknown (autograd's backward threads)"
+            lines.append(f"  {op} x{info['count']}: {where}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain() -> Explanation:
+    """Why programs compiled again and which ops ran on the CPU, with the user's lines (print it)."""
+    m = metrics()
+    lines = m["cpu_fallback_lines"]
+    fallbacks = {op: {"count": count, "lines": list(lines.get(op, []))} for op, count in m["cpu_fallbacks"].items()}
+    return Explanation(list(m["recompile_reasons"]), fallbacks)
