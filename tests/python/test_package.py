@@ -1,0 +1,201 @@
+"""The Python package: install metadata, autoload from `import torch`, `python -m torch_pjrt`, torch.tpu.
+
+Subprocesses run from a temporary directory so nothing comes from the
+current directory; they see the package through PYTHONPATH (or an installed
+wheel) exactly as a user's interpreter would.
+"""
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+import torch_pjrt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON_DIR = os.path.join(ROOT, "python")
+
+
+def run_python(code_or_args, cwd, pythonpath, **env):
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+    environ.update(PYTHONPATH=os.pathsep.join(pythonpath), **env)
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def torch_backends_entry_point():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    return project["entry-points"]["torch.backends"]
+
+
+def test_entry_point_metadata_names_a_callable_of_the_package():
+    points = torch_backends_entry_point()
+    assert list(points) == ["torch_pjrt"]
+    module_name, _, attribute = points["torch_pjrt"].partition(":")
+    target = getattr(importlib.import_module(module_name), attribute)
+    assert callable(target)
+    target()  # PyTorch calls it after loading; it must not fail once the package is imported
+
+
+def write_distribution(site, name="torch_pjrt_autoload_probe"):
+    """A minimal installed distribution that declares the package's torch.backends entry point."""
+    info = os.path.join(site, f"{name}-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[torch.backends]\n" + "".join(f"{k} = {v}\n" for k, v in torch_backends_entry_point().items()))
+
+
+AUTOLOAD_PROBE = """
+import sys
+import torch
+loaded = "torch_pjrt" in sys.modules
+print("loaded", loaded)
+if loaded:
+    print("values", (torch.arange(4.0, device="tpu") * 2).cpu().tolist())
+"""
+
+
+def test_import_torch_autoloads_the_backend_through_the_entry_point(tmp_path):
+    site = tmp_path / "site"
+    write_distribution(str(site))
+    out = run_python(AUTOLOAD_PROBE, cwd=tmp_path, pythonpath=[str(site), PYTHON_DIR])
+    assert "loaded True" in out
+    assert "values [0.0, 2.0, 4.0, 6.0]" in out
+    # PyTorch's switch turns it off.
+    out = run_python(AUTOLOAD_PROBE, cwd=tmp_path, pythonpath=[str(site), PYTHON_DIR], TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert "loaded False" in out
+    # Without the entry point (not installed), `import torch` does not import it.
+    out = run_python(AUTOLOAD_PROBE, cwd=tmp_path, pythonpath=[PYTHON_DIR])
+    assert "loaded False" in out
+
+
+def test_importing_the_package_first_with_autoload_on(tmp_path):
+    # torch's autoload then finds the half-imported package: the import must still complete.
+    site = tmp_path / "site"
+    write_distribution(str(site))
+    code = "import torch_pjrt, torch; print('values', (torch.ones(2, device='tpu') + 1).cpu().tolist(), torch_pjrt.get_mode())"
+    out = run_python(code, cwd=tmp_path, pythonpath=[str(site), PYTHON_DIR])
+    assert "values [2.0, 2.0]" in out
+
+
+def diagnosis_fields(out):
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+def test_python_m_torch_pjrt_prints_a_diagnosis(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "entry").write_bytes(b"x" * 1234)
+    out = run_python(["-m", "torch_pjrt"], cwd=tmp_path, pythonpath=[PYTHON_DIR],
+                     TORCH_PJRT_CACHE_DIR=str(cache), TORCH_PJRT_MODE="strict")
+    fields = diagnosis_fields(out)
+    info = torch_pjrt.platform()
+    assert os.path.samefile(fields["plugin"], torch_pjrt._C._plugin_path())
+    assert fields["platform"] == f"{info['name']} {info['version']}"
+    assert fields["PJRT C API version"] == info["api_version"]
+    assert fields["devices"].startswith(f"{torch.tpu.device_count()} (tpu:0")
+    assert fields["torch"].startswith(torch.__version__ + " ")
+    assert fields["mode"] == "strict"
+    assert os.path.samefile(fields["torch_pjrt"], os.path.dirname(torch_pjrt.__file__))
+    files, size = re.fullmatch(r".* \((\d+) files, (\d+) bytes\)", fields["compile cache"]).groups()
+    assert fields["compile cache"].startswith(str(cache))
+    assert (int(files), int(size)) == (1, 1234)
+
+
+def build_is_up_to_date(build_dir):
+    if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")) or shutil.which("ninja") is None:
+        return False
+    dry = subprocess.run(["ninja", "-C", build_dir, "-n", "_C"], capture_output=True, text=True)
+    return dry.returncode == 0 and "no work to do" in dry.stdout
+
+
+def test_wheel_installs_and_autoloads(tmp_path):
+    """pip wheel --no-build-isolation: packages the extension the CMake build made (seconds when it is built)."""
+    if not build_is_up_to_date(os.path.join(ROOT, "build")):
+        pytest.skip("./build is not an up-to-date CMake build of _C: a wheel build here would compile for minutes")
+    setuptools = pytest.importorskip("setuptools")
+    if tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1):
+        pytest.skip("setuptools >= 70.1 (with bdist_wheel) is needed to build the wheel")
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                    "-w", str(wheels), ROOT], check=True, timeout=60, cwd=tmp_path)
+    (wheel,) = wheels.glob("torch_pjrt-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, timeout=60)
+    assert (site / "torch_pjrt" / "_C.so").exists()
+    # The installed copy alone (no source tree on the path): `import torch` loads it.
+    out = run_python(AUTOLOAD_PROBE + "import torch_pjrt; print('from', torch_pjrt.__file__)",
+                     cwd=tmp_path, pythonpath=[str(site)])
+    assert "values [0.0, 2.0, 4.0, 6.0]" in out
+    assert f"from {site}" in out
+
+
+# ---- torch.tpu: what transformers' testing_utils and torch.accelerator look for.
+
+def storage_bytes(*tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_memory_statistics_count_live_storages():
+    torch.tpu.synchronize()
+    base = torch.tpu.memory_allocated()
+    a = torch.empty(1000, device="tpu")
+    b = torch.ones(10, 30, dtype=torch.float64, device="tpu")
+    c = b[2:5].t()  # a view: no new storage
+    assert torch.tpu.memory_allocated() - base == storage_bytes(a, b) == 4000 + 2400
+    assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
+    stats = torch.tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == torch.tpu.memory_allocated()
+    assert stats["reserved_bytes.all.current"] == torch.tpu.memory_reserved() == torch.tpu.memory_allocated()
+    count = stats["allocation.all.current"]
+    del a
+    assert torch.tpu.memory_allocated() - base == 2400
+    assert torch.tpu.memory_stats()["allocation.all.current"] == count - 1
+    assert torch.tpu.max_memory_allocated() >= base + 6400
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated()
+    b.resize_(20, 30)  # the storage grows: counted
+    assert torch.tpu.memory_allocated() - base == 4800
+    del b, c
+    assert torch.tpu.memory_allocated() == base
+    assert torch.tpu.max_memory_allocated() - base == 4800
+
+
+def test_memory_of_results_and_freed_intermediates():
+    torch.tpu.synchronize()
+    base = torch.tpu.memory_allocated()
+    x = torch.randn(64, 64, device="tpu")
+    y = (x @ x).relu() + 1
+    torch.tpu.synchronize()
+    assert torch.tpu.memory_allocated() - base == storage_bytes(x, y) == 2 * 64 * 64 * 4
+    del x, y
+    torch.tpu.synchronize()
+    assert torch.tpu.memory_allocated() == base
+
+
+def test_transformers_device_agnostic_helpers_work_on_tpu():
+    testing_utils = pytest.importorskip("transformers.testing_utils")
+    assert testing_utils.backend_device_count("tpu") == torch.tpu.device_count() >= 1
+    testing_utils.backend_manual_seed("tpu", 1234)
+    first = torch.rand(5, device="tpu").cpu()
+    torch.tpu.manual_seed(1234)
+    assert torch.equal(first, torch.rand(5, device="tpu").cpu())
+    testing_utils.backend_synchronize("tpu")
+    testing_utils.backend_empty_cache("tpu")
+    assert testing_utils.backend_torch_accelerator_module("tpu") is torch.tpu
+    for name in ("manual_seed", "device_count", "empty_cache", "memory_allocated", "max_memory_allocated",
+                 "reset_peak_memory_stats", "memory_stats", "synchronize", "is_available", "current_device",
+                 "memory_reserved", "max_memory_reserved", "reset_max_memory_allocated", "is_bf16_supported"):
+        assert callable(getattr(torch.tpu, name)), name
+    assert torch.tpu.is_available() and torch.tpu.current_device() == 0
