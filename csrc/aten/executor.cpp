@@ -861,10 +861,9 @@ CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeC
 }
 // Strict and debug modes: an op recorded at the same user line with a new
 // signature is a recompile; it is noted with what changed, for torch_pjrt.explain().
-void note_op_recompile(const std::string& name, const std::string& description) {
+void note_op_recompile(const std::string& name, const std::string& description, graph::SourceLocation location) {
   static std::mutex mutex;
   static std::map<std::pair<std::string, graph::SourceLocation>, std::string> last;  // -> last description
-  graph::SourceLocation location = graph::capture_source_location();
   std::lock_guard<std::mutex> lock(mutex);
   auto [it, first] = last.try_emplace({name, location}, description);
   if (first) return;
@@ -876,9 +875,9 @@ void note_op_recompile(const std::string& name, const std::string& description) 
 }
 
 // Strict and debug modes: the op as a program of its own.
-void compile_alone(Call& call, CachedOp& cached) {
+void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location) {
   std::string description = describe_call(call.schema, call.args);
-  note_op_recompile(op_name(call.schema), description);
+  note_op_recompile(op_name(call.schema), description, location);
   ProfileScope profile([&] { return std::pair{"torch_pjrt::compile(" + description + ")", description}; });
   lowering::Builder b;
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
@@ -1073,10 +1072,12 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     return true;
   }
   bool fused = mode() == Mode::Fused || mode() == Mode::Lazy;
+  // The user's line for a recompile note: taken before the lock, as it takes the GIL.
+  graph::SourceLocation location = !fused && !cached->exe ? graph::capture_source_location() : 0;
   try {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     if (fused && !cached->operands_known) learn_operands(call, *cached);
-    if (!fused && !cached->exe) compile_alone(call, *cached);
+    if (!fused && !cached->exe) compile_alone(call, *cached, location);
   } catch (const lowering::Unsupported& e) {
     cached->unsupported = e.what();
   } catch (const pjrt::Error& e) {

@@ -20,6 +20,9 @@ import torch_pjrt
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_DIR = os.path.join(ROOT, "python")
 
+# Subprocess tests do not depend on the parent's mode: `make test` runs them once.
+in_one_pass = pytest.mark.modes_inside
+
 
 def run_python(code_or_args, cwd, pythonpath, **env):
     args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
@@ -65,6 +68,7 @@ if loaded:
 """
 
 
+@in_one_pass
 def test_import_torch_autoloads_the_backend_through_the_entry_point(tmp_path):
     site = tmp_path / "site"
     write_distribution(str(site))
@@ -79,6 +83,7 @@ def test_import_torch_autoloads_the_backend_through_the_entry_point(tmp_path):
     assert "loaded False" in out
 
 
+@in_one_pass
 def test_importing_the_package_first_with_autoload_on(tmp_path):
     # torch's autoload then finds the half-imported package: the import must still complete.
     site = tmp_path / "site"
@@ -92,6 +97,7 @@ def diagnosis_fields(out):
     return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
 
 
+@in_one_pass
 def test_python_m_torch_pjrt_prints_a_diagnosis(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -119,6 +125,7 @@ def build_is_up_to_date(build_dir):
     return dry.returncode == 0 and "no work to do" in dry.stdout
 
 
+@in_one_pass
 def test_wheel_installs_and_autoloads(tmp_path):
     """pip wheel --no-build-isolation: packages the extension the CMake build made (seconds when it is built)."""
     if not build_is_up_to_date(os.path.join(ROOT, "build")):
