@@ -17,14 +17,14 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         build_dir = os.path.abspath(os.environ.get("TORCH_PJRT_BUILD_DIR", os.path.join(ROOT, "build")))
-        configure = ["cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                     f"-DPython3_EXECUTABLE={sys.executable}"]
         if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
-            # A fresh build directory: the C++ tests only where GTest is installed
-            # (`make build` turns them on; it installs GTest).
+            # A fresh build directory. A configured one (`make build`) is reused as
+            # it is: ninja re-runs CMake itself when CMakeLists.txt changed.
+            # The C++ tests only where GTest is installed (`make build` installs it).
             gtest = os.path.exists("/usr/include/gtest/gtest.h")
-            configure.append(f"-DTORCH_PJRT_BUILD_TESTS={'ON' if gtest else 'OFF'}")
-        subprocess.check_call(configure)
+            subprocess.check_call(["cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                                   f"-DPython3_EXECUTABLE={sys.executable}",
+                                   f"-DTORCH_PJRT_BUILD_TESTS={'ON' if gtest else 'OFF'}"])
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         subprocess.check_call(["ninja", "-C", build_dir, f"-j{jobs}", "_C"])
         built = os.path.join(ROOT, "python", "torch_pjrt", "_C.so")  # where CMake puts it
