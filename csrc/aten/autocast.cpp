@@ -1,0 +1,58 @@
+// Autocast for `tpu` (the AutocastPrivateUse1 key): the cast policy PyTorch
+// applies on CUDA, built from the op lists and wrappers ATen exports for every
+// backend (ATen/autocast_mode.h). Matrix products and convolutions run in the
+// autocast dtype (their lowerings accumulate in f32), numerically sensitive
+// ops in f32, and mixed-dtype ops in the widest input dtype. Every other op
+// falls through to the tpu kernel unchanged.
+#include <ATen/Operators.h>
+#include <ATen/ops/norm.h>
+#include <ATen/autocast_mode.h>
+#include <torch/library.h>
+
+namespace torch_pjrt {
+namespace {
+
+// AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE spells these unqualified.
+using at::IntArrayRef;
+using at::Scalar;
+using at::ScalarType;
+using at::Tensor;
+
+// As on CUDA: binary_cross_entropy in f16 overflows, so autocast refuses it.
+at::Tensor binary_cross_entropy_banned(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                       int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+              "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+              "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+              "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+              "safe to autocast.");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define TPU_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(TPU_LOWER_PRECISION_FP)
+#undef TPU_LOWER_PRECISION_FP
+
+#define TPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(TPU_FP32)
+#undef TPU_FP32
+
+#define TPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+  AT_FORALL_FP32_SET_OPT_DTYPE(TPU_FP32_SET_OPT_DTYPE)
+#undef TPU_FP32_SET_OPT_DTYPE
+
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+
+#define TPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_PROMOTE(TPU_PROMOTE)
+#undef TPU_PROMOTE
+
+  m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"), TORCH_FN(binary_cross_entropy_banned));
+}
+
+}  // namespace torch_pjrt
