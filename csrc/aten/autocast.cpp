@@ -4,7 +4,13 @@
 // autocast dtype (their lowerings accumulate in f32), numerically sensitive
 // ops in f32, and mixed-dtype ops in the widest input dtype. Every other op
 // falls through to the tpu kernel unchanged.
+//
+// Also GradScaler's unscale step on tpu: the executor writes single tensors,
+// not lists, so _amp_foreach_non_finite_check_and_unscale_ runs one lowered
+// op per tensor (torch_pjrt::_amp_unscale_, lowerings/amp.cpp); fused mode
+// records them all into the step's graph.
 #include <ATen/Operators.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/norm.h>
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
@@ -29,7 +35,43 @@ at::Tensor binary_cross_entropy_banned(const at::Tensor&, const at::Tensor&, con
               "safe to autocast.");
 }
 
+void amp_unscale_meta(at::Tensor&, at::Tensor&, const at::Tensor&) {}
+
+// The CPU kernel, for the executor's CPU fallback and its stand-in probes.
+void amp_unscale_cpu(at::Tensor& self, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  at::_amp_foreach_non_finite_check_and_unscale_(at::TensorList(self), found_inf, inv_scale);
+}
+
+// The checks of the CPU and CUDA kernels that a per-tensor loop would miss.
+void amp_foreach_non_finite_check_and_unscale(at::TensorList self, at::Tensor& found_inf,
+                                              const at::Tensor& inv_scale) {
+  TORCH_CHECK(inv_scale.numel() == 1, "inv_scale must be a 1-element tensor.");
+  TORCH_CHECK(found_inf.numel() == 1, "found_inf must be a 1-element tensor.");
+  TORCH_CHECK(inv_scale.scalar_type() == at::kFloat, "inv_scale must be a float tensor.");
+  TORCH_CHECK(found_inf.scalar_type() == at::kFloat, "found_inf must be a float tensor.");
+  static const auto unscale = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("torch_pjrt::_amp_unscale_", "")
+                                  .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&)>();
+  for (const at::Tensor& t : self) {
+    TORCH_CHECK(t.device() == found_inf.device(), "_amp_foreach_non_finite_check_and_unscale_: all tensors must be on ",
+                found_inf.device(), ", got one on ", t.device());
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()),
+                "_amp_foreach_non_finite_check_and_unscale_: expected floating point tensors, got ", t.scalar_type());
+    at::Tensor target = t;
+    unscale.call(target, found_inf, inv_scale);
+  }
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_pjrt, m) {
+  m.def("_amp_unscale_(Tensor(a!) self, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+}
+TORCH_LIBRARY_IMPL(torch_pjrt, Meta, m) { m.impl("_amp_unscale_", amp_unscale_meta); }
+TORCH_LIBRARY_IMPL(torch_pjrt, CPU, m) { m.impl("_amp_unscale_", amp_unscale_cpu); }
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_amp_foreach_non_finite_check_and_unscale_", amp_foreach_non_finite_check_and_unscale);
+}
 
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
 
