@@ -367,6 +367,11 @@ void wait_host_transfers() {
   }
 }
 
+size_t pending_host_transfers() {
+  std::lock_guard<std::mutex> lock(host_transfers().mutex);
+  return host_transfers().pending.size();
+}
+
 StorageState& storage_state(const c10::Storage& storage) {
   void* ctx = storage.data_ptr().get_context();
   TORCH_CHECK(ctx && storage.data_ptr().get_deleter() == &delete_storage,

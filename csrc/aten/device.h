@@ -63,6 +63,7 @@ uintptr_t storage_buffer_address(uintptr_t storage_data_ptr);
 bool is_pinned_host_ptr(const void* data);
 void hold_until_transferred(std::unique_ptr<pjrt::Event> done, at::Tensor source);
 void wait_host_transfers();
+size_t pending_host_transfers();  // held sources not yet released (tests)
 
 enum class Mode { Debug, Strict, Fused, Lazy };
 Mode mode();

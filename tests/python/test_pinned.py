@@ -142,3 +142,19 @@ def test_host_to_device_bytes_are_counted():
     x.to("tpu", non_blocking=True)
     torch.tpu.synchronize()
     assert torch_pjrt.metrics()["host_to_device_bytes"] >= 4000
+
+
+def test_pinned_copies_take_the_asynchronous_path():
+    from torch_pjrt import _C
+    torch.tpu.synchronize()
+    assert _C._pending_host_transfers() == 0
+    torch.ones(1000).to("tpu", non_blocking=True)  # pageable: a blocking upload, nothing held
+    assert _C._pending_host_transfers() == 0
+    p = torch.ones(1000).pin_memory()
+    d = p.to("tpu", non_blocking=True)
+    assert _C._pending_host_transfers() == 1  # the source is held until its transfer is done
+    p.to("tpu")  # non_blocking=False waits
+    assert _C._pending_host_transfers() == 1
+    torch.tpu.synchronize()
+    assert _C._pending_host_transfers() == 0
+    assert torch.equal(d.cpu(), torch.ones(1000))
