@@ -108,13 +108,34 @@ void delete_storage(void* ctx) {
   delete state;
 }
 
+// ---- Pinned host memory: page-aligned blocks this allocator made, so the
+// hooks recognise them (`is_pinned()`), and so that a non_blocking copy from
+// one may leave the plugin reading it after the call (copy_from in
+// registrations.cpp). The CPU plugin reads any host memory; page alignment is
+// what a DMA-capable plugin needs to map it.
+struct PinnedBlocks {
+  std::mutex mutex;
+  std::map<uintptr_t, size_t> blocks;  // start -> size
+};
+PinnedBlocks& pinned_blocks() {
+  static auto* b = new PinnedBlocks();  // never destroyed: frees may come at exit
+  return *b;
+}
+
 // ---- fork: a child of a process whose runtime started is a bad fork (see
 // check_not_forked). Freeing inherited tensors is CPU work such a child does
 // (DataLoader workers), so fork() holds the allocator's lock: no other thread
 // of the parent can hold it at the fork and leave it locked in the child.
-void fork_prepare() { memory().mutex.lock(); }
-void fork_parent() { memory().mutex.unlock(); }
+void fork_prepare() {
+  memory().mutex.lock();
+  pinned_blocks().mutex.lock();  // likewise for freeing inherited pinned tensors
+}
+void fork_parent() {
+  pinned_blocks().mutex.unlock();
+  memory().mutex.unlock();
+}
 void fork_child() {
+  pinned_blocks().mutex.unlock();
   memory().mutex.unlock();
   if (!g_started) return;  // nothing inherited: the child may start its own runtime
   g_bad_fork = true;
@@ -239,20 +260,6 @@ struct TpuGenerator final : c10::GeneratorImpl {
 std::vector<at::Generator>& generators() {
   static std::vector<at::Generator> gens;
   return gens;
-}
-
-// ---- Pinned host memory: page-aligned blocks this allocator made, so the
-// hooks recognise them (`is_pinned()`), and so that a non_blocking copy from
-// one may leave the plugin reading it after the call (copy_from in
-// registrations.cpp). The CPU plugin reads any host memory; page alignment is
-// what a DMA-capable plugin needs to map it.
-struct PinnedBlocks {
-  std::mutex mutex;
-  std::map<uintptr_t, size_t> blocks;  // start -> size
-};
-PinnedBlocks& pinned_blocks() {
-  static auto* b = new PinnedBlocks();  // never destroyed: frees may come at exit
-  return *b;
 }
 
 void free_pinned(void* ptr) {

@@ -158,3 +158,23 @@ def test_pinned_copies_take_the_asynchronous_path():
     torch.tpu.synchronize()
     assert _C._pending_host_transfers() == 0
     assert torch.equal(d.cpu(), torch.ones(1000))
+
+
+def test_forked_workers_read_and_free_inherited_pinned_tensors():
+    # After the runtime started, fork()ed workers are bad forks for device work,
+    # but pinned tensors are host memory: reading and freeing them is CPU work.
+    torch.ones(1, device="tpu").cpu()
+    data = torch.arange(40.0).reshape(20, 2).pin_memory()
+
+    class Pinned(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            copy = data.clone().pin_memory()  # allocate and free pinned memory in the worker
+            return copy[i].clone()
+
+    dl = torch.utils.data.DataLoader(Pinned(), batch_size=5, pin_memory=True, num_workers=2,
+                                     multiprocessing_context="fork")
+    out = torch.cat([b.to("tpu", non_blocking=True).cpu() for b in dl])
+    assert torch.equal(out, torch.arange(40.0).reshape(20, 2))
