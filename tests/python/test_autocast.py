@@ -48,6 +48,11 @@ LOWER = [
     ("conv1d", F.conv1d, lambda: [r(2, 3, 8), r(4, 3, 3), r(4)]),
     ("mv", torch.mv, lambda: [r(6, 5), r(5)]),
     ("prelu", F.prelu, lambda: [r(2, 3, 4), torch.rand(3)]),
+    ("conv_transpose2d", lambda x, w: F.conv_transpose2d(x, w, stride=2), lambda: [r(2, 3, 5, 5), r(3, 4, 3, 3)]),
+    ("einsum", lambda a, b: torch.einsum("bij,bjk->bik", a, b), lambda: [r(2, 6, 5), r(2, 5, 4)]),
+    ("addbmm", torch.addbmm, lambda: [r(6, 4), r(2, 6, 5), r(2, 5, 4)]),
+    ("addr", torch.addr, lambda: [r(6, 4), r(6), r(4)]),
+    ("sdpa", F.scaled_dot_product_attention, lambda: [r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)]),
 ]
 FP32 = [
     ("exp", torch.exp, lambda: [r(5, 4)]),
