@@ -11,6 +11,7 @@
 // records them all into the step's graph.
 #include <ATen/Operators.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_amp_update_scale_compositeexplicitautograd_dispatch.h>
 #include <ATen/ops/norm.h>
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
@@ -71,6 +72,10 @@ TORCH_LIBRARY_IMPL(torch_pjrt, Meta, m) { m.impl("_amp_unscale_", amp_unscale_me
 TORCH_LIBRARY_IMPL(torch_pjrt, CPU, m) { m.impl("_amp_unscale_", amp_unscale_cpu); }
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_amp_foreach_non_finite_check_and_unscale_", amp_foreach_non_finite_check_and_unscale);
+  // PyTorch's generated out= kernel, as the CPU runs it (the lowered functional
+  // op, then the new scale copied into `out`; growth_tracker is left as it
+  // was): the executor would pair its two written tensors with the wrong returns.
+  m.impl("_amp_update_scale.out", TORCH_FN(at::compositeexplicitautograd::_amp_update_scale_outf));
 }
 
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }

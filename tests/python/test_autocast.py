@@ -313,3 +313,20 @@ def test_update_scale_op_matches_cpu(found_inf, tracker, scale, growth, backoff)
     assert out is ts
     assert torch.equal(ts.cpu(), s) and torch.equal(tt.cpu(), t)
     assert torch_pjrt.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_update_scale_functional_and_out_forms_match_cpu(found_inf):
+    torch_pjrt.reset_metrics()
+
+    def run(device):
+        s, t = torch.tensor([8.0], device=device), torch.tensor([2], dtype=torch.int32, device=device)
+        f = torch.tensor([found_inf], device=device)
+        new_s, new_t = torch.ops.aten._amp_update_scale(s, t, f, 2.0, 0.5, 3)
+        out = torch.empty(1, device=device)
+        torch.ops.aten._amp_update_scale.out(s, t, f, 2.0, 0.5, 3, out=out)
+        return [x.cpu() for x in (new_s, new_t, s, t, out)]
+
+    for a, b in zip(run("tpu"), run("cpu")):
+        assert torch.equal(a, b)
+    assert torch_pjrt.metrics()["cpu_fallbacks"] == {}
