@@ -179,6 +179,12 @@ def test_device_module_reports_amp_support():
             assert (r(2, 3).to("tpu") @ r(3, 2).to("tpu")).dtype == dtype
 
 
+def test_unsupported_autocast_dtype_warns_and_disables_as_on_cuda():
+    with pytest.warns(UserWarning, match="not supported"):
+        with torch.autocast("tpu", dtype=torch.float64):
+            assert (r(2, 3).to("tpu") @ r(3, 2).to("tpu")).dtype == torch.float32
+
+
 # ---- training under autocast ----
 
 class TinyTransformer(torch.nn.Module):
