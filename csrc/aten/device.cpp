@@ -1,5 +1,6 @@
 // Allocator, device guard, hooks and generators for PrivateUse1 (`tpu`).
 #include "aten/device.h"
+#include "pjrt/error.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
@@ -10,8 +11,13 @@
 #include <c10/util/Exception.h>
 
 #include <pthread.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
@@ -123,13 +129,34 @@ void delete_storage(void* ctx) {
   delete state;
 }
 
+// ---- Pinned host memory: page-aligned blocks this allocator made, so the
+// hooks recognise them (`is_pinned()`), and so that a non_blocking copy from
+// one may leave the plugin reading it after the call (copy_from in
+// registrations.cpp). The CPU plugin reads any host memory; page alignment is
+// what a DMA-capable plugin needs to map it.
+struct PinnedBlocks {
+  std::mutex mutex;
+  std::map<uintptr_t, size_t> blocks;  // start -> size
+};
+PinnedBlocks& pinned_blocks() {
+  static auto* b = new PinnedBlocks();  // never destroyed: frees may come at exit
+  return *b;
+}
+
 // ---- fork: a child of a process whose runtime started is a bad fork (see
 // check_not_forked). Freeing inherited tensors is CPU work such a child does
 // (DataLoader workers), so fork() holds the allocator's lock: no other thread
 // of the parent can hold it at the fork and leave it locked in the child.
-void fork_prepare() { memory().mutex.lock(); }
-void fork_parent() { memory().mutex.unlock(); }
+void fork_prepare() {
+  memory().mutex.lock();
+  pinned_blocks().mutex.lock();  // likewise for freeing inherited pinned tensors
+}
+void fork_parent() {
+  pinned_blocks().mutex.unlock();
+  memory().mutex.unlock();
+}
 void fork_child() {
+  pinned_blocks().mutex.unlock();
   memory().mutex.unlock();
   if (!g_started) return;  // nothing inherited: the child may start its own runtime
   g_bad_fork = true;
@@ -254,6 +281,32 @@ std::vector<at::Generator>& generators() {
   return gens;
 }
 
+void free_pinned(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(pinned_blocks().mutex);
+    pinned_blocks().blocks.erase(reinterpret_cast<uintptr_t>(ptr));
+  }
+  std::free(ptr);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* ptr = nullptr;
+    size_t size = std::max<size_t>((nbytes + page - 1) / page * page, page);  // a zero-byte storage has a block too
+    TORCH_CHECK(posix_memalign(&ptr, page, size) == 0 && ptr, "could not allocate ", nbytes,
+                " bytes of pinned host memory");
+    {
+      std::lock_guard<std::mutex> lock(pinned_blocks().mutex);
+      pinned_blocks().blocks[reinterpret_cast<uintptr_t>(ptr)] = size;
+    }
+    return {ptr, ptr, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+};
+PinnedAllocator g_pinned_allocator;
+
 // ---- Hooks.
 struct TpuHooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -267,8 +320,8 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
   at::Device getDeviceFromPtr(void* data) const override {
     return c10::Device(kTpu, static_cast<c10::DeviceIndex>(static_cast<StorageState*>(data)->device));
   }
-  bool isPinnedPtr(const void*) const override { return false; }
-  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool isPinnedPtr(const void* data) const override { return is_pinned_host_ptr(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return runtime_started(); }
   c10::DeviceIndex deviceCount() const override { return static_cast<c10::DeviceIndex>(device_count()); }
   void setCurrentDevice(c10::DeviceIndex d) const override { set_current_device(d); }
@@ -292,7 +345,57 @@ bool register_hooks() {
 }
 const bool g_hooks_registered = register_hooks();
 
+// Non_blocking uploads whose host memory the plugin may still read, each with
+// the tensor that owns that memory.
+struct HostTransfers {
+  std::mutex mutex;
+  std::deque<std::pair<std::unique_ptr<pjrt::Event>, at::Tensor>> pending;
+};
+HostTransfers& host_transfers() {
+  static auto* t = new HostTransfers();  // never destroyed (see runtime())
+  return *t;
+}
+
 }  // namespace
+
+bool is_pinned_host_ptr(const void* data) {
+  auto address = reinterpret_cast<uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(pinned_blocks().mutex);
+  auto& blocks = pinned_blocks().blocks;
+  auto it = blocks.upper_bound(address);
+  if (it == blocks.begin()) return false;
+  --it;
+  return address < it->first + it->second;
+}
+
+void hold_until_transferred(std::unique_ptr<pjrt::Event> done, at::Tensor source) {
+  if (!done) return;
+  std::lock_guard<std::mutex> lock(host_transfers().mutex);
+  auto& pending = host_transfers().pending;
+  // Release finished ones from the front, so a steady loader holds a few batches at most.
+  while (!pending.empty() && pending.front().first->is_ready()) pending.pop_front();
+  pending.emplace_back(std::move(done), std::move(source));
+}
+
+void wait_host_transfers() {
+  std::deque<std::pair<std::unique_ptr<pjrt::Event>, at::Tensor>> pending;
+  {
+    std::lock_guard<std::mutex> lock(host_transfers().mutex);
+    pending.swap(host_transfers().pending);
+  }
+  for (auto& [done, source] : pending) {
+    try {
+      done->wait();
+    } catch (const pjrt::Error& e) {
+      TORCH_CHECK(false, "a non_blocking copy to the tpu device failed: ", e.what());
+    }
+  }
+}
+
+size_t pending_host_transfers() {
+  std::lock_guard<std::mutex> lock(host_transfers().mutex);
+  return host_transfers().pending.size();
+}
 
 StorageState& storage_state(const c10::Storage& storage) {
   void* ctx = storage.data_ptr().get_context();

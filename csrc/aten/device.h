@@ -2,6 +2,7 @@
 // storage a tensor points at, and the default RNG generators.
 #pragma once
 #include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 
 #include <memory>
@@ -54,6 +55,15 @@ StorageState& storage_state(const c10::Storage& storage);
 // given `untyped_storage().data_ptr()`. Tests use it to see buffer reuse; the
 // caller flushes pending graphs first.
 uintptr_t storage_buffer_address(uintptr_t storage_data_ptr);
+
+// Pinned host memory (`pin_memory()`): blocks from the PrivateUse1 hooks'
+// pinned allocator. A non_blocking upload from one does not wait for the
+// transfer; `source` (the tensor owning that memory) stays referenced until
+// `done` fires, and synchronize() waits for all of them.
+bool is_pinned_host_ptr(const void* data);
+void hold_until_transferred(std::unique_ptr<pjrt::Event> done, at::Tensor source);
+void wait_host_transfers();
+size_t pending_host_transfers();  // held sources not yet released (tests)
 
 enum class Mode { Debug, Strict, Fused, Lazy };
 Mode mode();

@@ -1359,6 +1359,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
 void synchronize() {
   check_not_forked();
   flush_pending();
+  wait_host_transfers();  // after this, the sources of non_blocking copies may change
   std::deque<std::unique_ptr<pjrt::Event>> pending;
   {
     std::lock_guard<std::mutex> lock(g_pending_mutex);

@@ -116,6 +116,7 @@ void register_shape(Table&);
 void register_indexing(Table&);
 void register_nn(Table&);
 void register_random(Table&);
+void register_amp(Table&);
 
 }  // namespace torch_pjrt::lowering
 

@@ -16,6 +16,7 @@
 #include "aten/executor.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
+#include "graph/metrics.h"
 
 namespace torch_pjrt {
 namespace {
@@ -113,8 +114,30 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage(self, std::move(storage), c10::SymInt(0), size, stride);
 }
 
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
-  copy_into(dst, self);
+// `dst.copy_(src, non_blocking=True)` from pinned host memory into a whole tpu
+// storage: the upload is enqueued and not waited for (the plugin reads `src`
+// until its done event, which keeps `src` alive; synchronize() waits), so it
+// overlaps with device work and host work alike. False: take the usual path.
+bool upload_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
+  if (!src.is_cpu() || dst.device().type() != kTpu || src.scalar_type() != dst.scalar_type() ||
+      !src.is_contiguous() || src.is_conj() || src.is_neg() || !src.sizes().equals(dst.sizes()) || dst.numel() == 0 ||
+      !is_pinned_host_ptr(src.storage().data()))
+    return false;
+  StorageState& st = storage_state(dst.storage());
+  if (!dst.is_contiguous() || dst.storage_offset() != 0 || static_cast<size_t>(dst.nbytes()) != st.nbytes) return false;
+  check_not_forked();
+  c10::DeviceGuard guard(dst.device());
+  auto [buffer, done] = client().buffer_from_host_async(src.const_data_ptr(), element_or_throw(src.scalar_type()),
+                                                        {dst.numel()}, dst.device().index());
+  graph::metrics().host_to_device_bytes += static_cast<int64_t>(src.nbytes());
+  install_after_graph(st, std::move(buffer));  // a recorded graph writing dst runs first
+  hold_until_transferred(std::move(done), src);
+  return true;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (non_blocking && upload_pinned_async(dst, self)) return dst;
+  copy_into(dst, self);  // waits for the host memory to be read
   return dst;
 }
 

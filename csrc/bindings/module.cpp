@@ -85,6 +85,7 @@ PYBIND11_MODULE(_C, m) {
     gen.set_offset(offset);
   });
   m.def("_memory_allocated", &memory_allocated);
+  m.def("_pending_host_transfers", &pending_host_transfers);
   m.def("_max_memory_allocated", &max_memory_allocated);
   m.def("_reset_peak_memory", &reset_peak_memory);
   m.def("_lowered_ops", &lowering::lowered_op_names);

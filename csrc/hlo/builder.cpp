@@ -506,7 +506,8 @@ Value Builder::dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& 
 
 Value Builder::convolution(Value lhs, Value rhs, const Dims& out_dims, const Dims& strides, const Dims& padding_low,
                            const Dims& padding_high, const Dims& lhs_dilation, const Dims& rhs_dilation,
-                           int64_t feature_group_count, int64_t batch_group_count) {
+                           int64_t feature_group_count, int64_t batch_group_count,
+                           std::optional<ElementType> result) {
   size_t spatial = strides.size();
   std::string sp;
   for (size_t i = 0; i < spatial; ++i) sp += ", " + std::to_string(i);
@@ -517,7 +518,7 @@ Value Builder::convolution(Value lhs, Value rhs, const Dims& out_dims, const Dim
                   " : i64, lhs_dilation = " + dims_attr(lhs_dilation) + ", padding = " +
                   padding_attr(padding_low, padding_high) + ", rhs_dilation = " + dims_attr(rhs_dilation) +
                   ", window_strides = " + dims_attr(strides) + "}",
-              TensorType{lhs.element(), out_dims});
+              TensorType{result.value_or(lhs.element()), out_dims});
 }
 
 Value Builder::gather(Value operand, Value indices, const GatherDims& dn, const Dims& slice_sizes,

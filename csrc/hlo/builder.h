@@ -89,9 +89,12 @@ class Builder {
   Value dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& rhs_batch, const Dims& lhs_contract,
                     const Dims& rhs_contract, ElementType result);
   // Layout: lhs [N, C, spatial...], rhs [O, I, spatial...], out [N, C, spatial...].
+  // The result has lhs's element type unless `result` says otherwise (f32 for
+  // f16/bf16 inputs: accumulate wide).
   Value convolution(Value lhs, Value rhs, const Dims& out_dims, const Dims& strides, const Dims& padding_low,
                     const Dims& padding_high, const Dims& lhs_dilation, const Dims& rhs_dilation,
-                    int64_t feature_group_count, int64_t batch_group_count = 1);
+                    int64_t feature_group_count, int64_t batch_group_count = 1,
+                    std::optional<ElementType> result = std::nullopt);
 
   // Indexing (generic dimension numbers, as in the StableHLO spec).
   struct GatherDims {

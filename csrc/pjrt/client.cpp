@@ -118,4 +118,22 @@ BufferPtr Client::buffer_from_host(const void* data, ElementType type, const std
   return std::make_shared<Buffer>(plugin_, args.buffer);
 }
 
+std::pair<BufferPtr, std::unique_ptr<Event>> Client::buffer_from_host_async(const void* data, ElementType type,
+                                                                            const std::vector<int64_t>& dims,
+                                                                            size_t device_index) const {
+  auto args = PJRT_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
+  args.client = client_;
+  args.data = data;
+  args.type = to_pjrt(type);
+  args.dims = dims.data();
+  args.num_dims = dims.size();
+  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+  args.device = device(device_index);
+  plugin_->check(plugin_->api()->PJRT_Client_BufferFromHostBuffer(&args), "PJRT_Client_BufferFromHostBuffer");
+  auto buffer = std::make_shared<Buffer>(plugin_, args.buffer);
+  std::unique_ptr<Event> done;
+  if (args.done_with_host_buffer) done = std::make_unique<Event>(plugin_, args.done_with_host_buffer);
+  return {std::move(buffer), std::move(done)};
+}
+
 }  // namespace torch_pjrt::pjrt

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "pjrt/buffer.h"
+#include "pjrt/event.h"
 #include "pjrt/compile_options.h"
 #include "pjrt/executable.h"
 
@@ -32,6 +33,12 @@ class Client {
   // Copies `data` (row-major, dense) to a new buffer on `device_index`.
   BufferPtr buffer_from_host(const void* data, ElementType type, const std::vector<int64_t>& dims,
                              size_t device_index = 0) const;
+  // The same without waiting: the plugin may read `data` until the returned
+  // event fires (null when it is done already), so the caller keeps that
+  // memory alive and unchanged until then (a non_blocking copy from pinned memory).
+  std::pair<BufferPtr, std::unique_ptr<Event>> buffer_from_host_async(const void* data, ElementType type,
+                                                                      const std::vector<int64_t>& dims,
+                                                                      size_t device_index = 0) const;
 
  private:
   Client(std::shared_ptr<Plugin> plugin, PJRT_Client* client);

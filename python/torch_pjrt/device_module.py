@@ -84,7 +84,15 @@ def get_device_name(device=None) -> str:
 
 
 def get_amp_supported_dtype():
+    """The dtypes torch.autocast("tpu") casts to: both run on every PJRT plugin
+    (XLA computes them natively or in f32), and matmuls/convolutions accumulate
+    in f32 (csrc/aten/autocast.cpp has the cast policy)."""
     return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """bfloat16 tensors, ops and autocast work on every tpu device."""
+    return is_available()
 
 
 # ---- RNG: a counter-based (seed, offset) pair per device, like CUDA's Philox.

@@ -1,6 +1,7 @@
 // Matrix products: mm, bmm, addmm, baddbmm, addbmm, addmv, mv, dot, vdot. matmul and linear
-// are composites in PyTorch that reach these. Products of f16/bf16 accumulate
-// in f32, as PyTorch's CPU kernels do.
+// are composites in PyTorch that reach these. Products of f16/bf16 take their
+// inputs as they are and accumulate in f32 (dot_general's result type), as
+// PyTorch's CPU kernels and autocast on CUDA do; the executor rounds the result.
 #include "aten/lowerings/common.h"
 
 namespace torch_pjrt::lowering {
@@ -9,10 +10,10 @@ namespace {
 // a @ b contracting a's last dim with b's dim `rhs_contract`, batching over
 // the leading `batch` dims of both.
 Value product(Context& c, std::string_view lhs, std::string_view rhs, int64_t batch, int64_t rhs_contract) {
-  ElementType e = widen(c.output(0).element);
-  Value a = c.b.convert(c.tensor(lhs), e), b = c.b.convert(c.tensor(rhs), e);
+  ElementType in = c.output(0).element;
+  Value a = c.b.convert(c.tensor(lhs), in), b = c.b.convert(c.tensor(rhs), in);
   Dims batch_dims = all_dims(batch);
-  return c.b.dot_general(a, b, batch_dims, batch_dims, {a.rank() - 1}, {rhs_contract}, e);
+  return c.b.dot_general(a, b, batch_dims, batch_dims, {a.rank() - 1}, {rhs_contract}, widen(in));
 }
 
 // beta * self + alpha * product, where beta == 0 ignores self (NaN included).
@@ -37,9 +38,9 @@ std::vector<Value> lower_addmm(Context& c) { return {scale_and_add(c, product(c,
 std::vector<Value> lower_baddbmm(Context& c) { return {scale_and_add(c, product(c, "batch1", "batch2", 1, 1))}; }
 // addbmm: the batch of products summed, i.e. contracting the batch dim too.
 std::vector<Value> lower_addbmm(Context& c) {
-  ElementType e = widen(c.output(0).element);
-  Value a = c.b.convert(c.tensor("batch1"), e), b = c.b.convert(c.tensor("batch2"), e);
-  return {scale_and_add(c, c.b.dot_general(a, b, {}, {}, {0, 2}, {0, 1}, e))};
+  ElementType in = c.output(0).element;
+  Value a = c.b.convert(c.tensor("batch1"), in), b = c.b.convert(c.tensor("batch2"), in);
+  return {scale_and_add(c, c.b.dot_general(a, b, {}, {}, {0, 2}, {0, 1}, widen(in)))};
 }
 std::vector<Value> lower_addmv(Context& c) { return {scale_and_add(c, product(c, "mat", "vec", 0, 0))}; }
 

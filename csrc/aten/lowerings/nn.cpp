@@ -106,7 +106,8 @@ Value transpose_weight(Builder& b, Value w, int64_t groups) {
 Value conv(Builder& b, Value x, Value w, const Dims& out_spatial, const ConvParams& p) {
   Dims out{x.dims()[0], w.dims()[0]};
   out.insert(out.end(), out_spatial.begin(), out_spatial.end());
-  return b.convolution(x, w, out, p.stride, p.padding, p.padding, ones(p.stride.size()), p.dilation, p.groups);
+  return b.convolution(x, w, out, p.stride, p.padding, p.padding, ones(p.stride.size()), p.dilation, p.groups, 1,
+                       widen(x.element()));
 }
 
 // The input-gradient of a direct convolution (= a transposed convolution):
@@ -124,7 +125,7 @@ Value conv_input_grad(Builder& b, Value g, Value w_direct, const Dims& in_spatia
   }
   Dims out{g.dims()[0], w.dims()[0]};
   out.insert(out.end(), in_spatial.begin(), in_spatial.end());
-  return b.convolution(g, w, out, ones(n), low, high, p.stride, p.dilation, p.groups);
+  return b.convolution(g, w, out, ones(n), low, high, p.stride, p.dilation, p.groups, 1, widen(g.element()));
 }
 
 // The weight-gradient of a direct convolution of x [N, C, ...] giving g [N, O, ...].
@@ -139,14 +140,15 @@ Value conv_weight_grad(Builder& b, Value x, Value g, const Dims& kernel, const C
   Dims out{x.dims()[1] / p.groups, g.dims()[1]};
   out.insert(out.end(), kernel.begin(), kernel.end());
   // Groups split the lhs batch (channels) and output features together.
-  Value r = b.convolution(xt, gt, out, p.dilation, p.padding, high, ones(n), p.stride, 1, p.groups);
+  Value r = b.convolution(xt, gt, out, p.dilation, p.padding, high, ones(n), p.stride, 1, p.groups, widen(x.element()));
   return b.transpose(r, swap);
 }
 
 std::vector<Value> lower_convolution(Context& c) {
+  // f16/bf16 inputs go in as they are; the convolution's result is f32 (see conv()).
   const OutputMeta& o = c.output(0);
   ElementType e = widen(o.element);
-  Value x = input(c, "input", e), w = input(c, "weight", e);
+  Value x = input(c, "input", o.element), w = input(c, "weight", o.element);
   ConvParams p = conv_params(c, x.rank() - 2);
   Dims out_spatial(o.dims.begin() + 2, o.dims.end());
   Value y = c.bool_arg("transposed") ? conv_input_grad(c.b, x, w, out_spatial, p) : conv(c.b, x, w, out_spatial, p);
@@ -156,14 +158,14 @@ std::vector<Value> lower_convolution(Context& c) {
 
 // (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask)
 std::vector<Value> lower_convolution_backward(Context& c) {
-  ElementType e = widen(c.tensor_element("input"));
+  ElementType in = c.tensor_element("input"), e = widen(in);
   if (TensorType{e, c.tensor_dims("input")}.element_count() == 0) {
     // An empty input: the CPU's forward skipped the bias too, so all three are zeros.
     std::vector<Value> zeros;
     for (size_t i = 0; i < c.output_count(); ++i) zeros.push_back(c.b.constant(0, e, c.output(i).dims));
     return zeros;
   }
-  Value g = input(c, "grad_output", e), x = input(c, "input", e), w = input(c, "weight", e);
+  Value g = input(c, "grad_output", in), x = input(c, "input", in), w = input(c, "weight", in);
   ConvParams p = conv_params(c, x.rank() - 2);
   Value gi, gw;
   if (c.bool_arg("transposed")) {
@@ -175,7 +177,7 @@ std::vector<Value> lower_convolution_backward(Context& c) {
   }
   Dims not_channel = all_dims(g.rank());
   not_channel.erase(not_channel.begin() + 1);
-  return {gi, gw, sum(c.b, g, not_channel)};
+  return {gi, gw, sum(c.b, c.b.convert(g, e), not_channel)};
 }
 
 // ---- pooling over the trailing spatial dims ----

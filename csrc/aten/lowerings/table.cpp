@@ -27,6 +27,7 @@ const Table& table() {
     register_indexing(t);
     register_nn(t);
     register_random(t);
+    register_amp(t);
     return t;
   }();
   return t;
