@@ -243,3 +243,65 @@ def test_failed_graph_with_offsets_is_undone():
         ref = cpu.clone()
         ref[1:] *= 3
         torch.testing.assert_close(x.cpu(), ref)
+
+
+# ---- index_copy (lowered: no CPU fallback) ----------------------------------
+
+INDEX_COPY_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                     torch.int8, torch.uint8, torch.bool]
+
+
+def _values(shape, dtype):
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(0, 100, shape).to(dtype)
+
+
+def _index_copy_fallbacks():
+    return sum(n for op, n in torch_pjrt.metrics()["cpu_fallbacks"].items() if "index_copy" in op)
+
+
+INDEX_COPY_CASES = [(dtype, 1) for dtype in INDEX_COPY_DTYPES] + [(torch.float32, 0), (torch.float32, 2),
+                                                                   (torch.int64, -1)]
+
+
+@pytest.mark.parametrize("dtype,dim", INDEX_COPY_CASES)
+def test_index_copy_matches_cpu(mode, dtype, dim):
+    torch.manual_seed(1)
+    x = _values((4, 5, 6), dtype)
+    index = torch.tensor([3, 0, 2])
+    shape = list(x.shape)
+    shape[dim] = 3
+    src = _values(shape, dtype)
+    fallbacks = _index_copy_fallbacks()
+    check(lambda t, s: t.index_copy_(dim, index.to(t.device), s), x, src)
+    check(lambda t, s: torch.index_copy(t, dim, index.to(t.device), s), x, src)
+    check(lambda t, s: torch.index_copy(t, dim, index.to(t.device), s, out=torch.empty_like(t)), x, src)
+    assert _index_copy_fallbacks() == fallbacks
+
+
+def test_index_copy_edge_cases(mode):
+    # Repeated indices: the CPU's loop leaves the last copy.
+    check(lambda t: t.index_copy_(0, torch.tensor([1, 3, 1, 1]).to(t.device), torch.arange(8.0).reshape(4, 2)
+                                  .to(t.device)), torch.zeros(5, 2))
+    # 0-d self and 0-d source; a view at a nonzero offset; an empty index.
+    check(lambda t: t.index_copy_(0, torch.tensor([0]).to(t.device), torch.tensor(5.0).to(t.device)), torch.zeros(()))
+    check(lambda t: t[2:].index_copy_(1, torch.tensor([2, 0]).to(t.device), -t[:4, 1:].clone()), torch.randn(6, 3))
+    check(lambda t: t.index_copy_(0, torch.tensor([], dtype=torch.long).to(t.device), t[:0]), torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("dim,bad", [(0, 5), (0, -1), (1, 4)])
+def test_index_copy_out_of_range_raises(mode, dim, bad):
+    def fn(x, i):
+        return x.index_copy_(dim, i, torch.ones((2, 4) if dim == 0 else (3, 2), device=x.device))
+
+    with pytest.raises(IndexError) as expected:
+        fn(torch.zeros(3, 4), torch.tensor([0, bad]))
+    with pytest.raises(IndexError) as actual:
+        fn(torch.zeros(3, 4, device=DEVICE), torch.tensor([0, bad], device=DEVICE)).cpu()
+    assert str(expected.value) in str(actual.value)
+    x = torch.zeros(3, 4, device=DEVICE)  # usable afterwards
+    fn(x, torch.tensor([0, 1], device=DEVICE))
+    torch.testing.assert_close(x.cpu(), fn(torch.zeros(3, 4), torch.tensor([0, 1])))
