@@ -107,6 +107,9 @@ struct KeyBuilder {
   std::string why;
   std::unordered_map<const void*, int> storages;  // aliasing pattern
   bool allow_host = false;                         // CPU tensors of any rank may come in
+  // Two arguments share a storage and some offset is not in the key: whether
+  // they overlap (ATen's overlap errors) must be checked on every call.
+  bool shared_storage = false, runtime_offset = false;
 
   void num(int64_t v) {
     key += std::to_string(v);
@@ -131,7 +134,8 @@ struct KeyBuilder {
                   "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
       key += 't';
       for (int64_t s : t.strides()) num(s);
-      num(t.storage_offset());
+      key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
+      runtime_offset = runtime_offset || t.storage_offset() != 0;
       const StorageState& st = storage_state(t.storage());
       check_has_value(st);
       num(static_cast<int64_t>(st.nbytes));
@@ -145,6 +149,7 @@ struct KeyBuilder {
       auto [it, fresh] = storages.emplace(&st, static_cast<int>(storages.size()));
       num(it->second);
       if (fresh) call.storage_types.emplace_back(&st, type);
+      shared_storage = shared_storage || !fresh;
     } else if (t.device().is_cpu()) {
       // As on CUDA: CPU tensors mix in only as 0-d values, copy sources and
       // index lists; anything else is the user's device mix-up.
@@ -420,9 +425,22 @@ class CallContext final : public lowering::Context {
     return storage_type(st);
   }
 
-  graph::StridedView view_of(const at::Tensor& t) const {
-    return graph::StridedView{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end()),
-                              lowering::Dims(t.strides().begin(), t.strides().end()), t.storage_offset()};
+  // A storage offset of 0 stays static (the common case, the simplest
+  // program); any other is a runtime s64 operand, as Scalars are, so a loop
+  // over slices of one tensor reuses one program (the signature records
+  // only "zero or not"). One operand per tensor argument, read or written.
+  graph::StridedView view_of(const at::Tensor& t, int arg, int item) {
+    graph::StridedView view{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end()),
+                            lowering::Dims(t.strides().begin(), t.strides().end()), 0};
+    if (t.storage_offset() == 0) return view;
+    auto key = std::make_pair(arg, item);
+    auto it = offsets_.find(key);
+    if (it == offsets_.end())
+      it = offsets_.emplace(key, operand_param(lowering::TensorType{ElementType::S64, {}},
+                                               OperandRef{OperandRef::Offset, arg, item, ElementType::S64}))
+               .first;
+    view.runtime_offset = it->second;
+    return view;
   }
   int64_t storage_count(const at::Tensor& t) const {
     return static_cast<int64_t>(storage_state(t.storage()).nbytes / t.element_size());
@@ -434,7 +452,7 @@ class CallContext final : public lowering::Context {
     if (it != values_.end()) return it->second;
     Value v;
     if (t.device().type() == kTpu) {
-      graph::StridedView view = view_of(t);
+      graph::StridedView view = view_of(t, arg, item);
       Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
       v = graph::read_view(b, flat, view);
     } else {
@@ -545,6 +563,7 @@ class CallContext final : public lowering::Context {
   GraphValues* graph_;
   std::unordered_map<const StorageState*, Value> storage_params_;
   std::map<std::pair<int, int>, Value> values_;
+  std::map<std::pair<int, int>, Value> offsets_;  // runtime storage offsets, per (argument, item)
 };
 
 // ---- building and running ---------------------------------------------------
@@ -837,9 +856,9 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
     }
     if (cached.outputs[i].write) {
       at::Tensor target = call.args[cached.outputs[i].arg].toTensor();
-      graph::StridedView view = ctx.view_of(target);
+      graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, -1);
       int64_t count = ctx.storage_count(target);
-      bool covers_all = view.is_dense_row_major() && view.offset == 0 && view.numel() == count;
+      bool covers_all = view.is_dense_row_major() && !view.runtime_offset && view.numel() == count;
       Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
                               : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
                                                   view.element, count);
@@ -1045,6 +1064,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   }
   if (cached) {
     ++metrics().op_cache_hits;
+    if (kb.shared_storage && kb.runtime_offset && !call.written.empty()) check_memory_overlap(call);
   } else {
     ++metrics().op_cache_misses;
     try {
@@ -1233,6 +1253,8 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
       return host_operand(item_tensor(call.args[ref.arg], ref.item), call.device);
     case OperandRef::Scalar:
       return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
+    case OperandRef::Offset:
+      return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).storage_offset(), ElementType::S64, call.device);
     case OperandRef::Rng: {
       std::optional<at::Generator> gen;
       if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();

@@ -290,20 +290,30 @@ std::string describe(const RecordedOp& rec) { return describe_call(rec.op.schema
 // Recompilation explainer: says how a graph that missed the cache differs
 // from the graph compiled before it.
 void explain_recompile(const PendingGraph& g) {
-  static std::vector<std::string> last_keys, last_descriptions;
-  std::vector<std::string> keys, descriptions;
+  // Compared with the last compiled graph of the same length when there is
+  // one: loops alternate graphs (a decode step's forward, then its sampling).
+  struct Seen {
+    std::vector<std::string> keys, descriptions;
+  };
+  static Seen last;
+  static std::map<size_t, Seen> by_length;
+  Seen now;
   for (const RecordedOp& rec : g.ops) {
-    keys.push_back(rec.key);
-    descriptions.push_back(describe(rec));
+    now.keys.push_back(rec.key);
+    now.descriptions.push_back(describe(rec));
   }
+  auto same_length = by_length.find(now.keys.size());
+  const Seen& before = same_length != by_length.end() ? same_length->second : last;
+  const std::vector<std::string>& keys = now.keys;
+  const std::vector<std::string>& last_keys = before.keys;
   std::string reason;
   if (!last_keys.empty()) {
     size_t k = 0;
     while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
     if (k < keys.size() && k < last_keys.size()) {
-      reason = "op " + std::to_string(k) + " is " + descriptions[k] + " where the previous graph had " +
-               last_descriptions[k];
-      if (descriptions[k] == last_descriptions[k]) reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
+      reason = "op " + std::to_string(k) + " is " + now.descriptions[k] + " where the previous graph had " +
+               before.descriptions[k];
+      if (now.descriptions[k] == before.descriptions[k]) reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
     } else if (keys.size() != last_keys.size()) {
       reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
                std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
@@ -312,8 +322,9 @@ void explain_recompile(const PendingGraph& g) {
     }
     graph::note_recompile_reason("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
   }
-  last_keys = std::move(keys);
-  last_descriptions = std::move(descriptions);
+  if (by_length.size() > 256) by_length.clear();
+  by_length[now.keys.size()] = now;
+  last = std::move(now);
 }
 
 // Profiler record of a graph: "torch_pjrt::execute(12 ops: aten::mm, ...)" and every op's signature.

@@ -26,7 +26,8 @@ constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
 
 // Where an operand of a cached program comes from, replayed on every call.
 struct OperandRef {
-  enum Kind { Storage, Host, Scalar, Rng } kind;
+  // Offset: a tensor argument's nonzero storage offset, an s64[] like a Scalar.
+  enum Kind { Storage, Host, Scalar, Rng, Offset } kind;
   int arg = 0;
   int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
   ElementType element = ElementType::F32;

@@ -18,6 +18,12 @@ int64_t StridedView::numel() const {
   return n;
 }
 
+int64_t StridedView::extent() const {
+  int64_t last = 0;
+  for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  return last + 1;
+}
+
 bool StridedView::is_dense_row_major() const {
   int64_t expected = 1;
   for (int64_t i = static_cast<int64_t>(sizes.size()) - 1; i >= 0; --i) {
@@ -58,10 +64,24 @@ Value fit_length(Builder& b, const Value& flat, int64_t count) {
   return b.pad(flat, b.constant(0, flat.element()), {0}, {count - n}, {0});
 }
 
+// The view's storage offset as an s64[] value.
+Value offset_value(Builder& b, const StridedView& view) {
+  return view.runtime_offset ? *view.runtime_offset : b.constant_int(view.offset, ElementType::S64);
+}
+
+// `size` elements of `flat` from the view's offset. A runtime offset uses
+// dynamic_slice, which clamps the start so the slice fits: callers make sure
+// offset + size never exceeds the length, so it never shifts.
+Value slice_at_offset(Builder& b, const Value& flat, const StridedView& view, int64_t size) {
+  if (view.runtime_offset) return b.dynamic_slice(flat, {*view.runtime_offset}, {size});
+  return b.slice(flat, {view.offset}, {view.offset + size}, {1});
+}
+
 // Flat storage index of every element of the view, shape sizes + [1].
 Value element_indices(Builder& b, const StridedView& view) {
   Dims shape = view.sizes;
-  Value index = b.constant_int(view.offset, ElementType::S64, shape);
+  Value index = view.runtime_offset ? b.broadcast_in_dim(*view.runtime_offset, shape, {})
+                                    : b.constant_int(view.offset, ElementType::S64, shape);
   for (size_t d = 0; d < shape.size(); ++d) {
     if (shape[d] == 1 || view.strides[d] == 0) continue;
     Value step = b.binary("multiply", b.iota(TensorType{ElementType::S64, shape}, static_cast<int64_t>(d)),
@@ -107,8 +127,7 @@ Value read_view(Builder& b, const Value& flat, const StridedView& view) {
   const int64_t rank = static_cast<int64_t>(view.sizes.size());
   if (view.numel() == 0) return b.constant(0, view.element, view.sizes);
   if (view.is_dense_row_major()) {
-    Value part = b.slice(flat, {view.offset}, {view.offset + view.numel()}, {1});
-    return b.reshape(part, view.sizes);
+    return b.reshape(slice_at_offset(b, flat, view, view.numel()), view.sizes);
   }
   // Dims that really step through memory, outermost (largest stride) first.
   std::vector<int64_t> kept;
@@ -133,10 +152,13 @@ Value read_view(Builder& b, const Value& flat, const StridedView& view) {
     keep.push_back(1);
     int64_t total = view.sizes[kept[0]] * view.strides[kept[0]];
     int64_t have = flat.dims()[0];
+    // The box may reach past the view's last element (by `total - extent`)
+    // and so past the storage's end: pad that slack. A runtime offset is not
+    // known here, but offset + extent <= have holds for every valid view.
+    int64_t reach = view.runtime_offset ? have + total - view.extent() : view.offset + total;
     Value source = flat;
-    if (view.offset + total > have)
-      source = b.pad(flat, b.constant(0, flat.element()), {0}, {view.offset + total - have}, {0});
-    Value part = b.reshape(b.slice(source, {view.offset}, {view.offset + total}, {1}), box);
+    if (reach > have) source = b.pad(flat, b.constant(0, flat.element()), {0}, {reach - have}, {0});
+    Value part = b.reshape(slice_at_offset(b, source, view, total), box);
     Dims ones(box.size(), 1);
     zeros.assign(box.size(), 0);
     Value cut = b.slice(part, zeros, keep, ones);
@@ -150,7 +172,7 @@ Value read_view(Builder& b, const Value& flat, const StridedView& view) {
     return b.broadcast_in_dim(ordered, view.sizes, Dims(by_index.begin(), by_index.end()));
   }
   if (kept.empty()) {
-    Value one = b.reshape(b.slice(flat, {view.offset}, {view.offset + 1}, {1}), {});
+    Value one = b.reshape(slice_at_offset(b, flat, view, 1), {});
     return b.broadcast_in_dim(one, view.sizes, {});
   }
   Builder::GatherDims dn{{}, {0}, {}, {}, {0}, rank};
@@ -163,13 +185,13 @@ Value write_view(Builder& b, const Value& flat, const Value& value, const Stride
   if (n == 0) return flat;
   if (view.is_dense_row_major()) {
     Value dense = b.reshape(value, {n});
-    if (view.offset == 0 && n == count) return dense;
-    return b.dynamic_update_slice(flat, dense, {b.constant_int(view.offset, ElementType::S64)});
+    if (!view.runtime_offset && view.offset == 0 && n == count) return dense;
+    return b.dynamic_update_slice(flat, dense, {offset_value(b, view)});
   }
   if (auto order = dense_order(view)) {  // a permuted dense block: transpose into memory order
     Value dense = b.reshape(b.transpose(value, *order), {n});
-    if (view.offset == 0 && n == count) return dense;
-    return b.dynamic_update_slice(flat, dense, {b.constant_int(view.offset, ElementType::S64)});
+    if (!view.runtime_offset && view.offset == 0 && n == count) return dense;
+    return b.dynamic_update_slice(flat, dense, {offset_value(b, view)});
   }
   const int64_t rank = static_cast<int64_t>(view.sizes.size());
   Builder::ScatterDims dn{{}, {0}, {}, {}, {0}, rank};

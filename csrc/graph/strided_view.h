@@ -15,7 +15,11 @@ struct StridedView {
   hlo::Dims sizes;
   hlo::Dims strides;
   int64_t offset = 0;
+  // Set: the offset is this s64[] runtime value instead (`offset` is 0), so
+  // a loop over slices of one storage reuses one program.
+  std::optional<hlo::Value> runtime_offset;
   int64_t numel() const;
+  int64_t extent() const;  // 1 + the largest element index relative to the offset
   bool is_dense_row_major() const;  // contiguous, ignoring size-1 dims
 };
 

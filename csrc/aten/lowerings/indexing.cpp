@@ -1,4 +1,4 @@
-// Gathers and scatters: index_select, gather, scatter(_add), advanced
+// Gathers and scatters: index_select, gather, scatter(_add), index_copy, advanced
 // indexing (index.Tensor, index_put_), embedding_dense_backward. XLA clamps
 // out-of-range gather indices and drops such scatter updates; where the CPU
 // raises, each lowering declares a runtime check (Context::check) with the
@@ -151,6 +151,38 @@ std::vector<Value> lower_index_reduce(Context& c) {
                       include_self_arg(c))};
 }
 
+// index_copy(self, dim, index, source): slice i of source replaces slice
+// index[i] of self along dim. With repeated indices the CPU's loop leaves the
+// last copy: a max-scatter of positions finds it and the other copies get an
+// out-of-range index, which XLA's scatter skips.
+std::vector<Value> lower_index_copy(Context& c) {
+  Builder& b = c.b;
+  Value x = c.tensor("self"), index = c.tensor("index");
+  int64_t n = index.type.element_count();
+  if (n == 0) return {x};
+  Dims result_dims = x.dims();
+  if (x.rank() == 0) x = b.reshape(x, {1});
+  int64_t rank = x.rank(), dim = wrap_dim(c.int_arg("dim"), rank), size = x.dims()[dim];
+  check_in_range(c, index, size, false, CheckError::Index,
+                 "index_copy_(): index {} is out of bounds for dimension " + std::to_string(dim) + " with size " +
+                     std::to_string(size));
+  Dims update_dims = x.dims();
+  update_dims[dim] = n;
+  Value source = b.reshape(b.convert(c.tensor("source"), x.element()), update_dims);  // a 0-d source: one slice
+  Value idx = b.reshape(as_index(b, index), {n, 1});
+  Value positions = b.iota(TensorType{ElementType::S64, {n}}, 0);
+  hlo::Builder::ScatterDims by_slot{{}, {0}, {}, {}, {0}, 1};
+  Value last = b.scatter(b.constant_int(-1, ElementType::S64, {size}), idx, positions, by_slot, hlo::Reducer::Max);
+  hlo::Builder::GatherDims from_slot{{}, {0}, {}, {}, {0}, 1};
+  Value kept = b.compare(b.gather(last, idx, from_slot, {1}, {n}), positions, hlo::Compare::EQ);
+  Value target = b.select(b.reshape(kept, {n, 1}), idx, b.constant_int(size, ElementType::S64, {n, 1}));
+  Dims window;
+  for (int64_t d = 0; d < rank; ++d)
+    if (d != dim) window.push_back(d);
+  hlo::Builder::ScatterDims dn{window, {dim}, {}, {}, {dim}, 1};
+  return {b.reshape(b.scatter(x, target, source, dn, std::nullopt), result_dims)};
+}
+
 std::vector<Value> lower_scatter(Context& c) { return scatter_like(c, false); }
 std::vector<Value> lower_scatter_add(Context& c) { return scatter_like(c, true); }
 
@@ -293,7 +325,7 @@ void register_indexing(Table& t) {
            {"gather", lower_gather}, {"scatter", lower_scatter}, {"scatter_add", lower_scatter_add},
            {"scatter_reduce", lower_scatter_reduce}, {"index_reduce", lower_index_reduce},
            {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
-           {"index_put", lower_index_put}, {"embedding_dense_backward", lower_embedding_dense_backward}})
+           {"index_put", lower_index_put}, {"index_copy", lower_index_copy}, {"embedding_dense_backward", lower_embedding_dense_backward}})
     add_lowering(t, name, fn);
 }
 

@@ -1,0 +1,99 @@
+"""Greedy generation benchmark: tiny random-init GPT-2 and Llama (transformers), prints side by side in one run
+
+- tokens/s of `model.generate(max_new_tokens=N)` on the CPU (eager) and on tpu, cold (first call: compiles)
+  and warm (the same call again: every program cached);
+- compiles per generated token after warm-up inside the cold call (after the first 2 tokens), and in the
+  warm call; whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
+
+for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode.
+
+    PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict]
+"""
+import argparse
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import transformers
+
+import torch_pjrt
+
+
+def tiny_model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=128,
+                                         bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=128, max_position_embeddings=128,
+                                      bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+class CompileCounter(transformers.StoppingCriteria):
+    """Records the process's compile count after every generated token; never stops."""
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.counts.append(torch_pjrt.metrics()["compiles"])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run(model, ids, cache, tokens, sync):
+    counter = CompileCounter()
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+              stopping_criteria=transformers.StoppingCriteriaList([counter]))
+    if cache == "static":
+        kw.update(cache_implementation="static", disable_compile=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+    out = out.cpu()
+    sync()
+    return out, time.perf_counter() - start, counter.counts
+
+
+def measure(kind, cache, mode, tokens):
+    """One row, in a fresh process: nothing compiled before it."""
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    model = tiny_model(kind)
+    expected, _, _ = run(model, ids, cache, tokens, lambda: None)  # CPU warm-up
+    _, cpu_s, _ = run(model, ids, cache, tokens, lambda: None)
+    model.to("tpu")
+    with torch_pjrt.mode(mode):
+        out, cold_s, counts = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
+        per_token = (counts[-1] - counts[1]) / max(len(counts) - 2, 1)
+        before = torch_pjrt.metrics()["compiles"]
+        _, warm_s, _ = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
+        warm_compiles = torch_pjrt.metrics()["compiles"] - before
+    print(f"{kind:6s} {cache:8s} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
+          f"{cpu_s / warm_s:8.2f}x {per_token:14.1f} {warm_compiles:10d} {str(torch.equal(out, expected)):>5s}",
+          flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--modes", default="fused,strict")
+    parser.add_argument("--one", help="kind,cache,mode: measure one row in this process")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.one:
+        return measure(*args.one.split(","), args.tokens)
+    print("platform:", torch_pjrt.platform())
+    print(f"{'model':6s} {'cache':8s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
+          f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'same':>5s}", flush=True)
+    for kind in ("gpt2", "llama"):
+        for cache in ("dynamic", "static"):
+            for mode in args.modes.split(","):
+                subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--one",
+                                f"{kind},{cache},{mode}"], check=True, stderr=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    main()
