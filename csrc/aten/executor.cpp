@@ -272,8 +272,8 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   // out= (not in-place: self is not written) of a dtype no input has.
   if (call.returns_written && !call.schema.arguments().empty() && call.schema.arguments()[0].name() == "self" &&
       std::find(call.written.begin(), call.written.end(), 0) == call.written.end()) {
-    for (int a : call.written)
-      out_dtype_differs = out_dtype_differs || !input_dtypes.count(call.args[a].toTensor().scalar_type());
+    for (size_t k = 0; k < call.written.size(); ++k)
+      out_dtype_differs = out_dtype_differs || !input_dtypes.count(written_tensor(call, call.args, k).scalar_type());
   }
   return any_empty || (out_dtype_differs && !input_dtypes.empty());
 }
@@ -316,7 +316,10 @@ MetaResult infer_meta(const Call& call) {
   try {
     call.op.callBoxed(&stack);
   } catch (const c10::NotImplementedError&) {
-    throw;
+    // An op that only writes its arguments (_fused_sgd_ has no meta kernel)
+    // needs none: its outputs are those arguments. Its lowering checks them.
+    if (!call.schema.returns().empty() || call.written.empty()) throw;
+    stack.clear();
   } catch (const std::exception&) {
     // Many meta kernels are Python references whose errors differ from the
     // CPU kernel's (type, message) or that reject what the CPU accepts.
@@ -331,7 +334,7 @@ MetaResult infer_meta(const Call& call) {
     r.strides.push_back(keep ? t.strides().vec() : std::vector<int64_t>());
   };
   if (call.returns_written) {
-    for (int a : call.written) add(metas[a].toTensor());
+    for (size_t k = 0; k < call.written.size(); ++k) add(written_tensor(call, metas, k));
     for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
     // The lowering computes in the op's own result dtype; emit() casts to the written dtype.
     for (size_t i = 0; i < compute.size(); ++i) r.outputs[i].element = element_or_throw(compute[i]);
@@ -357,7 +360,7 @@ MetaResult infer_meta(const Call& call) {
     }
   }
   // Written arguments follow the returns: the lowering yields their new values.
-  for (int a : call.written) add(metas[a].toTensor());
+  for (size_t k = 0; k < call.written.size(); ++k) add(written_tensor(call, metas, k));
   return r;
 }
 
@@ -549,7 +552,7 @@ class CallContext final : public lowering::Context {
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   for (const auto& p : plans) {
     if (!p.write) continue;
-    at::Tensor t = call.args[p.arg].toTensor();
+    at::Tensor t = item_tensor(call.args[p.arg], p.item);
     if (!t.sizes().equals(p.dims)) t.resize_(p.dims);
   }
 }
@@ -570,8 +573,9 @@ void check_memory_overlap(const Call& call) {
   static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
                                                  "scatter", "scatter_add", "scatter_reduce", "index_reduce"};
   std::string base = base_name(call.schema);
-  for (int w : call.written) {
-    const at::Tensor& out = call.args[w].toTensor();
+  for (size_t k = 0; k < call.written.size(); ++k) {
+    int w = call.written[k];
+    const at::Tensor out = written_tensor(call, call.args, k);
     if (!internal_ok.count(base)) at::assert_no_internal_overlap(out);
     if (inputs_unchecked.count(base)) continue;
     for (size_t i = 0; i < call.args.size(); ++i) {
@@ -753,7 +757,7 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
 // compute dtype per written tensor (in call.written order).
 std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas) {
   std::vector<at::ScalarType> out;
-  for (int w : call.written) out.push_back(metas[w].toTensor().scalar_type());
+  for (size_t k = 0; k < call.written.size(); ++k) out.push_back(written_tensor(call, metas, k).scalar_type());
   if (!call.returns_written) return out;
   auto functional = functional_form(call.schema);
   if (!functional) return out;
@@ -802,6 +806,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.absent = meta.absent[i];
     p.write = i >= first_written;
     p.arg = p.write ? call.written[i - first_written] : 0;
+    p.item = p.write ? call.written_items[i - first_written] : -1;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
     if (!p.write) p.strides = meta.strides[i];
@@ -834,12 +839,12 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
         throw lowering::Unsupported("internal: lowering produced shape " + r.type.str());
     }
     if (cached.outputs[i].write) {
-      at::Tensor target = call.args[cached.outputs[i].arg].toTensor();
+      at::Tensor target = item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item);
       graph::StridedView view = ctx.view_of(target);
       int64_t count = ctx.storage_count(target);
       bool covers_all = view.is_dense_row_major() && view.offset == 0 && view.numel() == count;
       Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
-                              : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
+                              : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, cached.outputs[i].item),
                                                   view.element, count);
       flats.push_back(graph::write_view(b, flat, r, view));
     } else if (cached.outputs[i].strides.empty()) {
@@ -969,6 +974,26 @@ bool is_self_copy(const c10::FunctionSchema& schema, const torch::jit::Stack& st
          d.is_neg() == s.is_neg();
 }
 
+// The items of a written Tensor[] argument. Each output replaces its whole
+// storage, so two written items in one storage (views of one flat buffer)
+// would lose a write: such calls run on the CPU.
+bool add_written_items(Call& call, int arg, std::string* why) {
+  auto list = call.args[arg].toTensorList();
+  for (size_t k = 0; k < list.size(); ++k) {
+    const at::Tensor& t = list.get(k);
+    if (!t.defined()) continue;
+    for (size_t j = 0; j < call.written.size(); ++j) {
+      if (written_tensor(call, call.args, j).is_alias_of(t)) {
+        *why = "writes two list items that share a storage";
+        return false;
+      }
+    }
+    call.written.push_back(arg);
+    call.written_items.push_back(static_cast<int>(k));
+  }
+  return true;
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
@@ -990,11 +1015,16 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     bool writes = arg.alias_info() && arg.alias_info()->isWrite();
     for (const auto& name : entry->extra_writes) writes = writes || arg.name() == name;
     if (!writes || CallContext::absent(call.args[i])) continue;
+    if (call.args[i].isTensorList()) {  // fused optimizers: one written entry per item
+      if (!add_written_items(call, static_cast<int>(i), why)) return false;
+      continue;
+    }
     if (!call.args[i].isTensor()) {
       *why = "writes a list of tensors";
       return false;
     }
     call.written.push_back(static_cast<int>(i));
+    call.written_items.push_back(-1);
   }
   call.returns_written = !schema.returns().empty();
   for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
@@ -1007,6 +1037,11 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
+    const auto& runtime = entry->runtime_floats;
+    if (call.args[i].isDouble() && std::find(runtime.begin(), runtime.end(), schema.arguments()[i].name()) != runtime.end()) {
+      kb.key += 'f';  // a runtime operand (Context::scalar): its value is no part of the key
+      continue;
+    }
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
     if (!kb.supported) {
       *why = kb.why;
@@ -1157,6 +1192,9 @@ bool storages_as_keyed(const Call& call) {
     if (storage_type_locked(*st) != type) return false;
   return true;
 }
+at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k) {
+  return item_tensor(args[call.written[k]], call.written_items[k]);
+}
 at::Tensor item_tensor(const c10::IValue& v, int item) {
   if (item < 0) return v.toTensor();
   if (v.isTensorList()) return v.toTensorList().get(item);
@@ -1228,7 +1266,7 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
   std::vector<at::Tensor> outs;
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
-    else if (p.write) outs.push_back(call.args[p.arg].toTensor());
+    else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
     else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
     else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }
