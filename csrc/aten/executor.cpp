@@ -297,7 +297,10 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
   bool may_miss = meta_may_miss_an_error(call, &total);
   if (may_miss && total <= (int64_t{1} << 22)) return probe_on_cpu(call);
-  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call)) probe_on_cpu(call, true);
+  // Lowerings that follow CUDA for dtypes the CPU kernel lacks (histc of integers).
+  static const std::set<std::string> cuda_dtypes{"histc"};
+  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call) && !cuda_dtypes.count(base_name(call.schema)))
+    probe_on_cpu(call, true);
 }
 
 // The op's meta kernel raised: the CPU kernel decides (its error, or its result).
@@ -994,9 +997,55 @@ bool add_written_items(Call& call, int arg, std::string* why) {
   return true;
 }
 
+// Boolean masks in an index list (x[mask], x[mask] = v) select a
+// data-dependent count: each mask becomes its nonzero() columns, as ATen's
+// expandTensors does. nonzero runs on the device and reads back only the
+// count (_data_dependent.py), so the gather or scatter itself is lowered.
+void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  auto indices_at = schema.argumentIndexWithName("indices"), self_at = schema.argumentIndexWithName("self");
+  if (!indices_at || !self_at) return;
+  size_t base = stack->size() - schema.arguments().size();
+  c10::IValue& indices = (*stack)[base + *indices_at];
+  const c10::IValue& self_value = (*stack)[base + *self_at];
+  if (!indices.isList() || indices.isTensorList() || !self_value.isTensor()) return;
+  auto list = indices.toList();
+  bool any = false;
+  for (size_t i = 0; i < list.size(); ++i) {
+    auto item = list.get(i);
+    if (item.isNone()) continue;
+    const at::Tensor& t = item.toTensor();
+    if (t.defined() && (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte)) {
+      if (t.dim() == 0) return;  // x[True] adds a dimension: left to the CPU
+      any = true;
+    }
+  }
+  if (!any) return;
+  const at::Tensor self = self_value.toTensor();
+  c10::List<std::optional<at::Tensor>> expanded;
+  int64_t dim = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    auto item = list.get(i);
+    at::Tensor t = item.isNone() ? at::Tensor() : item.toTensor();
+    if (!t.defined() || (t.scalar_type() != at::kBool && t.scalar_type() != at::kByte)) {
+      expanded.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+      ++dim;
+      continue;
+    }
+    for (int64_t j = 0; j < t.dim(); ++j)
+      TORCH_CHECK_INDEX(dim + j < self.dim() && t.size(j) == self.size(dim + j), "The shape of the mask ", t.sizes(),
+                        " at index ", j, " does not match the shape of the indexed tensor ", self.sizes(), " at index ",
+                        dim + j);
+    at::Tensor columns = at::nonzero(t);
+    for (int64_t j = 0; j < t.dim(); ++j) expanded.push_back(columns.select(1, j));
+    dim += t.dim();
+  }
+  indices = expanded;
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
+  expand_boolean_masks(schema, stack);
   if (is_self_copy(schema, *stack)) {
     at::Tensor self = (*stack)[stack->size() - 3].toTensor();
     torch::jit::drop(*stack, 3);

@@ -120,6 +120,7 @@ void register_indexing(Table&);
 void register_nn(Table&);
 void register_random(Table&);
 void register_optim(Table&);
+void register_moe(Table&);
 
 }  // namespace torch_pjrt::lowering
 

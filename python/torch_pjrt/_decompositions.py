@@ -22,7 +22,8 @@ counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
 _active = threading.local()
 
-# Data-dependent output shapes: the CPU kernel is exact and as fast.
+# Data-dependent output shapes: nonzero and masked_select have device kernels
+# (_data_dependent.py); unique runs on the CPU.
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 

@@ -28,6 +28,7 @@ const Table& table() {
     register_nn(t);
     register_random(t);
     register_optim(t);
+    register_moe(t);
     return t;
   }();
   return t;
