@@ -62,7 +62,7 @@ def test_index_add_out_of_range_raises_like_cpu(shape, dim, bad, error):
 
 # ---- histc ----
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bins,lo,hi", [(10, 0, 0), (4, -1, 1), (7, 0.5, 2.5), (1, 0, 0), (3, -2, 2)])
 def test_histc_float(dtype, bins, lo, hi):
     x = torch.tensor([-2.0, -1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 1.0, 2.0, 2.5, 3.0, float("nan")], dtype=dtype)

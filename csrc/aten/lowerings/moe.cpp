@@ -53,7 +53,7 @@ std::vector<Value> lower_histc(Context& c) {
   if (bins <= 0) throw Unsupported("histc with bins <= 0");  // the CPU raises
   ElementType out = c.output(0).element;
   bool floating = is_float(x.element());
-  ElementType e = floating ? widen(x.element()) : ElementType::S64;
+  ElementType e = floating ? x.element() : ElementType::S64;  // f16 too: the CPU rounds each step to half
   int64_t n = x.type.element_count();
   if (n == 0) return {b.constant(0, out, {bins})};
   Value v = b.convert(b.reshape(x, {n}), e);
