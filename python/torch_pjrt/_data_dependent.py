@@ -1,5 +1,6 @@
 """Device paths for ops whose result size depends on the data: nonzero,
-masked_select and bincount (boolean-mask indexing reaches nonzero from C++).
+masked_select, bincount and unique (boolean-mask indexing reaches nonzero
+from C++).
 
 Each computes the size on the device, reads only that (one small host read,
 which also runs the pending fused graph), then builds the result of that size
@@ -69,7 +70,33 @@ def _bincount(self, weights=None, minlength=0):
     return counts.index_add_(0, self, source)
 
 
-_KERNELS = {"nonzero": _nonzero, "masked_select": _masked_select, "bincount": _bincount}
+def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
+    """torch.unique: sorts on the device, reads back the number of distinct
+    values only. Always sorted (sorted=False leaves the order unspecified). NaNs
+    are all distinct, as on the CPU."""
+    if self.is_complex():
+        return _decompositions._on_cpu(aten._unique2.default, "aten::_unique2", "complex input",
+                                       (self, sorted, return_inverse, return_counts), {})
+    device, long = self.device, torch.long
+    empty = torch.empty(0, dtype=long, device=device)
+    flat = self.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return (torch.empty(0, dtype=self.dtype, device=device),
+                torch.zeros(self.shape, dtype=long, device=device) if return_inverse else empty, empty)
+    values, order = torch.sort(flat, stable=True)
+    first = torch.cat([torch.ones(1, dtype=torch.bool, device=device), values[1:] != values[:-1]])
+    group = torch.cumsum(first, 0) - 1  # each sorted position's distinct value
+    count = int(group[-1].item()) + 1  # the one host read
+    uniques = torch.empty(count, dtype=self.dtype, device=device).scatter_(0, group, values)
+    inverse = (torch.empty(n, dtype=long, device=device).scatter_(0, order, group).reshape(self.shape)
+               if return_inverse else empty)
+    counts = (torch.zeros(count, dtype=long, device=device).index_add_(0, group, torch.ones(n, dtype=long, device=device))
+              if return_counts else empty)
+    return uniques, inverse, counts
+
+
+_KERNELS = {"nonzero": _nonzero, "masked_select": _masked_select, "bincount": _bincount, "_unique2": _unique2}
 
 
 def register() -> None:

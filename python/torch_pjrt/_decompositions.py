@@ -22,8 +22,7 @@ counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
 _active = threading.local()
 
-# Data-dependent output shapes: nonzero and masked_select have device kernels
-# (_data_dependent.py); unique runs on the CPU.
+# Data-dependent output shapes: device kernels in _data_dependent.py.
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 

@@ -195,6 +195,20 @@ def test_data_dependent_edge_cases():
     no_fallbacks()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool, torch.int32])
+def test_unique(dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 5, (3, 7), generator=gen).to(dtype)
+    for kw in [dict(), dict(return_inverse=True), dict(return_counts=True), dict(return_inverse=True, return_counts=True)]:
+        assert_matches_cpu(lambda a: torch.unique(a, **kw), x)
+    assert_matches_cpu(lambda a: torch.unique(a, return_inverse=True, return_counts=True), torch.zeros(0, 3, dtype=dtype))
+    assert_matches_cpu(lambda a: torch.unique(a, return_inverse=True, return_counts=True), torch.ones((), dtype=dtype))
+    if dtype == torch.float32:  # every NaN is its own value
+        assert_matches_cpu(lambda a: torch.unique(a, return_inverse=True, return_counts=True),
+                           torch.tensor([1.0, float("nan"), 1.0, float("nan"), -0.5]))
+    no_fallbacks()
+
+
 def test_boolean_mask_indexing():
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(4, 5, generator=gen)
