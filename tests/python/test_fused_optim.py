@@ -164,3 +164,24 @@ def test_mismatched_list_lengths_raise(device):
         torch.ops.aten._fused_adamw_([z()], [z(), z()], [z()], [z()], [], [torch.ones((), device=device)], lr=0.1,
                                      beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False,
                                      maximize=False)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_functional_fused_adamw(amsgrad):
+    """The functional form (what functionalization records) returns the new lists in the same order."""
+    lists = adam_lists()
+
+    def call(device):
+        ls = {k: [t.clone().to(device) for t in v] for k, v in lists.items()}
+        out = torch.ops.aten._fused_adamw(ls["params"], ls["grads"], ls["exp_avgs"], ls["exp_avg_sqs"],
+                                          ls["max_sqs"] if amsgrad else [], ls["steps"], lr=0.1, beta1=0.9,
+                                          beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=amsgrad, maximize=False)
+        return [[t.cpu() for t in l] for l in out]
+
+    torch_pjrt.reset_metrics()
+    expected, actual = call("cpu"), call("tpu")
+    assert not torch_pjrt.metrics()["cpu_fallbacks"]
+    assert [len(l) for l in expected] == [len(l) for l in actual]
+    for e_list, a_list in zip(expected, actual):
+        for e, a in zip(e_list, a_list):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
