@@ -279,8 +279,8 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   // out= (not in-place: self is not written) of a dtype no input has.
   if (call.returns_written && !call.schema.arguments().empty() && call.schema.arguments()[0].name() == "self" &&
       std::find(call.written.begin(), call.written.end(), 0) == call.written.end()) {
-    for (int a : call.written)
-      out_dtype_differs = out_dtype_differs || !input_dtypes.count(call.args[a].toTensor().scalar_type());
+    for (size_t k = 0; k < call.written.size(); ++k)
+      out_dtype_differs = out_dtype_differs || !input_dtypes.count(written_tensor(call, call.args, k).scalar_type());
   }
   return any_empty || (out_dtype_differs && !input_dtypes.empty());
 }
@@ -304,7 +304,10 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
   bool may_miss = meta_may_miss_an_error(call, &total);
   if (may_miss && total <= (int64_t{1} << 22)) return probe_on_cpu(call);
-  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call)) probe_on_cpu(call, true);
+  // Lowerings that follow CUDA for dtypes the CPU kernel lacks (histc of integers).
+  static const std::set<std::string> cuda_dtypes{"histc"};
+  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call) && !cuda_dtypes.count(base_name(call.schema)))
+    probe_on_cpu(call, true);
 }
 
 // The op's meta kernel raised: the CPU kernel decides (its error, or its result).
@@ -323,7 +326,10 @@ MetaResult infer_meta(const Call& call) {
   try {
     call.op.callBoxed(&stack);
   } catch (const c10::NotImplementedError&) {
-    throw;
+    // An op that only writes its arguments (_fused_sgd_ has no meta kernel)
+    // needs none: its outputs are those arguments. Its lowering checks them.
+    if (!call.schema.returns().empty() || call.written.empty()) throw;
+    stack.clear();
   } catch (const std::exception&) {
     // Many meta kernels are Python references whose errors differ from the
     // CPU kernel's (type, message) or that reject what the CPU accepts.
@@ -338,7 +344,7 @@ MetaResult infer_meta(const Call& call) {
     r.strides.push_back(keep ? t.strides().vec() : std::vector<int64_t>());
   };
   if (call.returns_written) {
-    for (int a : call.written) add(metas[a].toTensor());
+    for (size_t k = 0; k < call.written.size(); ++k) add(written_tensor(call, metas, k));
     for (size_t i = 0; i < call.written.size(); ++i) r.return_counts.push_back(1);
     // The lowering computes in the op's own result dtype; emit() casts to the written dtype.
     for (size_t i = 0; i < compute.size(); ++i) r.outputs[i].element = element_or_throw(compute[i]);
@@ -364,7 +370,7 @@ MetaResult infer_meta(const Call& call) {
     }
   }
   // Written arguments follow the returns: the lowering yields their new values.
-  for (int a : call.written) add(metas[a].toTensor());
+  for (size_t k = 0; k < call.written.size(); ++k) add(written_tensor(call, metas, k));
   return r;
 }
 
@@ -570,7 +576,7 @@ class CallContext final : public lowering::Context {
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   for (const auto& p : plans) {
     if (!p.write) continue;
-    at::Tensor t = call.args[p.arg].toTensor();
+    at::Tensor t = item_tensor(call.args[p.arg], p.item);
     if (!t.sizes().equals(p.dims)) t.resize_(p.dims);
   }
 }
@@ -591,8 +597,9 @@ void check_memory_overlap(const Call& call) {
   static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
                                                  "scatter", "scatter_add", "scatter_reduce", "index_reduce"};
   std::string base = base_name(call.schema);
-  for (int w : call.written) {
-    const at::Tensor& out = call.args[w].toTensor();
+  for (size_t k = 0; k < call.written.size(); ++k) {
+    int w = call.written[k];
+    const at::Tensor out = written_tensor(call, call.args, k);
     if (!internal_ok.count(base)) at::assert_no_internal_overlap(out);
     if (inputs_unchecked.count(base)) continue;
     for (size_t i = 0; i < call.args.size(); ++i) {
@@ -774,7 +781,7 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
 // compute dtype per written tensor (in call.written order).
 std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas) {
   std::vector<at::ScalarType> out;
-  for (int w : call.written) out.push_back(metas[w].toTensor().scalar_type());
+  for (size_t k = 0; k < call.written.size(); ++k) out.push_back(written_tensor(call, metas, k).scalar_type());
   if (!call.returns_written) return out;
   auto functional = functional_form(call.schema);
   if (!functional) return out;
@@ -823,6 +830,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.absent = meta.absent[i];
     p.write = i >= first_written;
     p.arg = p.write ? call.written[i - first_written] : 0;
+    p.item = p.write ? call.written_items[i - first_written] : -1;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
     if (!p.write) p.strides = meta.strides[i];
@@ -855,12 +863,12 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
         throw lowering::Unsupported("internal: lowering produced shape " + r.type.str());
     }
     if (cached.outputs[i].write) {
-      at::Tensor target = call.args[cached.outputs[i].arg].toTensor();
-      graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, -1);
+      at::Tensor target = item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item);
+      graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, cached.outputs[i].item);
       int64_t count = ctx.storage_count(target);
       bool covers_all = view.is_dense_row_major() && !view.runtime_offset && view.numel() == count;
       Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
-                              : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, -1),
+                              : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, cached.outputs[i].item),
                                                   view.element, count);
       flats.push_back(graph::write_view(b, flat, r, view));
     } else if (cached.outputs[i].strides.empty()) {
@@ -1010,9 +1018,75 @@ bool is_self_copy(const c10::FunctionSchema& schema, const torch::jit::Stack& st
          d.is_neg() == s.is_neg();
 }
 
+// The items of a written Tensor[] argument. Each output replaces its whole
+// storage, so two written items in one storage (views of one flat buffer)
+// would lose a write: such calls run on the CPU.
+bool add_written_items(Call& call, int arg, std::string* why) {
+  auto list = call.args[arg].toTensorList();
+  for (size_t k = 0; k < list.size(); ++k) {
+    const at::Tensor& t = list.get(k);
+    if (!t.defined()) continue;
+    for (size_t j = 0; j < call.written.size(); ++j) {
+      if (written_tensor(call, call.args, j).is_alias_of(t)) {
+        *why = "writes two list items that share a storage";
+        return false;
+      }
+    }
+    call.written.push_back(arg);
+    call.written_items.push_back(static_cast<int>(k));
+  }
+  return true;
+}
+
+// Boolean masks in an index list (x[mask], x[mask] = v) select a
+// data-dependent count: each mask becomes its nonzero() columns, as ATen's
+// expandTensors does. nonzero runs on the device and reads back only the
+// count (_data_dependent.py), so the gather or scatter itself is lowered.
+void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  auto indices_at = schema.argumentIndexWithName("indices"), self_at = schema.argumentIndexWithName("self");
+  if (!indices_at || !self_at) return;
+  size_t base = stack->size() - schema.arguments().size();
+  c10::IValue& indices = (*stack)[base + *indices_at];
+  const c10::IValue& self_value = (*stack)[base + *self_at];
+  if (!indices.isList() || indices.isTensorList() || !self_value.isTensor()) return;
+  auto list = indices.toList();
+  bool any = false;
+  for (size_t i = 0; i < list.size(); ++i) {
+    auto item = list.get(i);
+    if (item.isNone()) continue;
+    const at::Tensor& t = item.toTensor();
+    if (t.defined() && (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte)) {
+      if (t.dim() == 0) return;  // x[True] adds a dimension: left to the CPU
+      any = true;
+    }
+  }
+  if (!any) return;
+  const at::Tensor self = self_value.toTensor();
+  c10::List<std::optional<at::Tensor>> expanded;
+  int64_t dim = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    auto item = list.get(i);
+    at::Tensor t = item.isNone() ? at::Tensor() : item.toTensor();
+    if (!t.defined() || (t.scalar_type() != at::kBool && t.scalar_type() != at::kByte)) {
+      expanded.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+      ++dim;
+      continue;
+    }
+    for (int64_t j = 0; j < t.dim(); ++j)
+      TORCH_CHECK_INDEX(dim + j < self.dim() && t.size(j) == self.size(dim + j), "The shape of the mask ", t.sizes(),
+                        " at index ", j, " does not match the shape of the indexed tensor ", self.sizes(), " at index ",
+                        dim + j);
+    at::Tensor columns = at::nonzero(t);
+    for (int64_t j = 0; j < t.dim(); ++j) expanded.push_back(columns.select(1, j));
+    dim += t.dim();
+  }
+  indices = expanded;
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
+  expand_boolean_masks(schema, stack);
   if (is_self_copy(schema, *stack)) {
     at::Tensor self = (*stack)[stack->size() - 3].toTensor();
     torch::jit::drop(*stack, 3);
@@ -1031,11 +1105,16 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     bool writes = arg.alias_info() && arg.alias_info()->isWrite();
     for (const auto& name : entry->extra_writes) writes = writes || arg.name() == name;
     if (!writes || CallContext::absent(call.args[i])) continue;
+    if (call.args[i].isTensorList()) {  // fused optimizers: one written entry per item
+      if (!add_written_items(call, static_cast<int>(i), why)) return false;
+      continue;
+    }
     if (!call.args[i].isTensor()) {
       *why = "writes a list of tensors";
       return false;
     }
     call.written.push_back(static_cast<int>(i));
+    call.written_items.push_back(-1);
   }
   call.returns_written = !schema.returns().empty();
   for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
@@ -1048,6 +1127,11 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
+    const auto& runtime = entry->runtime_floats;
+    if (call.args[i].isDouble() && std::find(runtime.begin(), runtime.end(), schema.arguments()[i].name()) != runtime.end()) {
+      kb.key += 'f';  // a runtime operand (Context::scalar): its value is no part of the key
+      continue;
+    }
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
     if (!kb.supported) {
       *why = kb.why;
@@ -1201,6 +1285,9 @@ bool storages_as_keyed(const Call& call) {
     if (storage_type_locked(*st) != type) return false;
   return true;
 }
+at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k) {
+  return item_tensor(args[call.written[k]], call.written_items[k]);
+}
 at::Tensor item_tensor(const c10::IValue& v, int item) {
   if (item < 0) return v.toTensor();
   if (v.isTensorList()) return v.toTensorList().get(item);
@@ -1274,7 +1361,7 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
   std::vector<at::Tensor> outs;
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
-    else if (p.write) outs.push_back(call.args[p.arg].toTensor());
+    else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
     else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
     else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }

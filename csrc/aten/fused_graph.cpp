@@ -227,7 +227,7 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     size_t next_flat = 0, next_new = 0;
     for (const OutputPlan& p : rec.cached->outputs) {
       if (p.absent) continue;
-      const StorageState* st = p.write ? &storage_state(call.args[p.arg].toTensor().storage()) : rec.new_storages[next_new++];
+      const StorageState* st = p.write ? &storage_state(item_tensor(call.args[p.arg], p.item).storage()) : rec.new_storages[next_new++];
       values.values.insert_or_assign(st, flats[next_flat++]);
     }
     produced.insert(produced.end(), flats.begin(), flats.end());

@@ -87,6 +87,9 @@ struct LoweringEntry {
   // (native_batch_norm's running stats). The lowering returns their new values
   // after the op's returns.
   std::vector<std::string> extra_writes;
+  // `float` arguments passed as runtime operands (read with Context::scalar)
+  // instead of keyed by value: a learning rate an LR scheduler changes.
+  std::vector<std::string> runtime_floats;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -108,7 +111,7 @@ Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
-                  std::vector<std::string> extra_writes = {});
+                  std::vector<std::string> extra_writes = {}, std::vector<std::string> runtime_floats = {});
 void register_pointwise(Table&);
 void register_reduction(Table&);
 void register_linalg(Table&);
@@ -117,6 +120,8 @@ void register_indexing(Table&);
 void register_nn(Table&);
 void register_random(Table&);
 void register_amp(Table&);
+void register_optim(Table&);
+void register_moe(Table&);
 
 }  // namespace torch_pjrt::lowering
 

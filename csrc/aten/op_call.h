@@ -38,6 +38,7 @@ struct OutputPlan {
   bool absent = false;  // an undefined tensor (a gradient output_mask turned off)
   bool write = false;   // true: replaces the storage of argument `arg`
   int arg = 0;
+  int item = -1;  // for a written Tensor[] argument (fused optimizers): which item
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> dims;
   // A new output's strides when the meta kernel gives it a dense layout other
@@ -82,6 +83,9 @@ struct Call {
   // running the op checks them again under storage_mutex() (storages_as_keyed)
   // and plans again if another thread gave a storage another type meanwhile.
   std::vector<std::pair<const StorageState*, std::optional<lowering::TensorType>>> storage_types;
+  // Per `written` entry: the item of a written Tensor[] argument (which then
+  // appears once per item in `written`), -1 for a Tensor argument.
+  std::vector<int> written_items;
 };
 
 // Where a fused graph keeps the current value of each storage it touches.
@@ -128,6 +132,8 @@ ElementType element_or_throw(at::ScalarType t);
 
 std::string op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 at::Tensor item_tensor(const c10::IValue& v, int item);
+// The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
+at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k);
 std::optional<lowering::TensorType> storage_type(const StorageState& st);
 std::optional<lowering::TensorType> storage_type_locked(const StorageState& st);  // caller holds storage_mutex()
 bool storages_as_keyed(const Call& call);                                          // caller holds storage_mutex()

@@ -29,6 +29,7 @@ from . import _C
 from ._plugins import find_plugin
 from . import device_module
 from . import _decompositions
+from . import _data_dependent
 
 __all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops", "explain"]
@@ -43,6 +44,7 @@ def _register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _C._register_lowered_kernels()
     _decompositions.register()
+    _data_dependent.register()
     # Errors from fused graphs name the user's line: frames in these are skipped.
     import sysconfig
     library_dirs = [os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]]

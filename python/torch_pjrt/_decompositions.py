@@ -22,7 +22,7 @@ counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
 _active = threading.local()
 
-# Data-dependent output shapes: the CPU kernel is exact and as fast.
+# Data-dependent output shapes: device kernels in _data_dependent.py.
 _SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
 
 

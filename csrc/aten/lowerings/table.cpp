@@ -12,8 +12,8 @@ struct Table {
 };
 
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars,
-                  std::vector<std::string> extra_writes) {
-  table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes)};
+                  std::vector<std::string> extra_writes, std::vector<std::string> runtime_floats) {
+  table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes), std::move(runtime_floats)};
 }
 
 namespace {
@@ -28,6 +28,8 @@ const Table& table() {
     register_nn(t);
     register_random(t);
     register_amp(t);
+    register_optim(t);
+    register_moe(t);
     return t;
   }();
   return t;
