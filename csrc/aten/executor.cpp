@@ -293,6 +293,7 @@ bool has_integral_tensor(const Call& call) {
   return found;
 }
 void probe_on_cpu(const Call& call, bool only_dtype_errors = false);
+void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill);
 void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
   bool may_miss = meta_may_miss_an_error(call, &total);
@@ -720,7 +721,8 @@ std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& sc
 // a check CPU makes outside the meta kernels raises CPU's own error (type and
 // message). Stand-ins are ones (valid divisors; read-only inputs are expanded
 // scalars, so no memory) and zeros for index arguments (valid for any size).
-void probe_on_cpu(const Call& call, bool only_dtype_errors) {
+void probe_on_cpu(const Call& call, bool only_dtype_errors) { probe_on_cpu_with(call, only_dtype_errors, 1); }
+void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill) {
   torch::jit::Stack stack;
   for (size_t i = 0; i < call.args.size(); ++i) {
     const auto& v = call.args[i];
@@ -733,7 +735,7 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
     stack.push_back(map_tensors(v, [&](const at::Tensor& t) {
       if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
       auto options = t.options().device(at::kCPU);
-      at::Tensor one = index ? at::zeros({}, options) : at::ones({}, options);
+      at::Tensor one = index || fill == 0 ? at::zeros({}, options) : at::ones({}, options);
       return written ? one.expand(t.sizes()).clone() : one.expand(t.sizes());
     }));
   }
@@ -743,8 +745,21 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
     // No CPU kernel to ask: the meta kernel's checks are all there are. (A
     // kernel without this dtype raises as the CPU does.)
     if (std::string(e.what()).find("Could not run") == std::string::npos) throw;
-  } catch (const std::exception&) {
-    if (!only_dtype_errors) throw;
+  } catch (const std::exception& e) {
+    if (!only_dtype_errors || fill == 0) throw;
+    // Stand-in values may cause an error real data would not; one that ones
+    // and zeros both raise with the same message is about the dtypes or
+    // shapes ("Boolean inputs not supported for relu"): the CPU raises it.
+    auto message = [](const std::exception& x) -> std::string {
+      auto* c10_error = dynamic_cast<const c10::Error*>(&x);
+      return c10_error ? c10_error->what_without_backtrace() : x.what();
+    };
+    std::string first = message(e);
+    try {
+      probe_on_cpu_with(call, false, 0);
+    } catch (const std::exception& again) {
+      if (first == message(again)) throw;
+    }
   }
 }
 
@@ -947,7 +962,24 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 std::mutex g_cache_mutex;
 // Never destroyed: no PJRT call may run during static destruction at exit.
 std::unordered_map<std::string, std::shared_ptr<CachedOp>>& g_op_cache = *new std::unordered_map<std::string, std::shared_ptr<CachedOp>>();
+// A call reaches the device only with a tpu tensor in it; a CPU tensor it
+// would write (out=) is the user's device mix-up, as on CUDA. (PyTorch's CPU
+// fallback would instead fail copying its result back.)
+void check_written_on_device(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  size_t nargs = schema.arguments().size();
+  for (size_t i = 0; i < nargs; ++i) {
+    const auto& arg = schema.arguments()[i];
+    if (!arg.alias_info() || !arg.alias_info()->isWrite()) continue;
+    map_tensors(stack[stack.size() - nargs + i], [&](const at::Tensor& t) {
+      TORCH_CHECK(!t.defined() || t.device().type() == kTpu, "Expected all tensors to be on the same device, but ",
+                  "found at least two devices, tpu:", current_device(), " and ", t.device(), "! (in ",
+                  op_name(schema), ", argument '", arg.name(), "')");
+      return t;
+    });
+  }
+}
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
+  check_written_on_device(op.schema(), *stack);
   note_cpu_fallback(op_name(op.schema()), why);
   flush_pending();
   at::native::cpu_fallback(op, stack);
