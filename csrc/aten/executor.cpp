@@ -665,17 +665,27 @@ void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
   bool pool = pools.count(base) > 0;
   if (base != "convolution" && base != "convolution_backward" && !pool) return;
   auto input = call.args[*call.schema.argumentIndexWithName(pool ? "self" : "input")].toTensor();
+  // 3-d pools see an unbatched (C, D, H, W) input as a batch of one.
+  bool unbatched = pool && base.rfind("max_pool3d", 0) == 0 && input.dim() == 4;
+  if (unbatched) input = input.unsqueeze(0);
   auto weight = pool ? input : call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
   auto suggests = [&](c10::MemoryFormat f) {
     return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
   };
   bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
   bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && (pool || input.scalar_type() != at::kDouble);
+  // (the batch of one's stride defeats suggest_memory_format; CPU's kernel asks is_contiguous)
+  cl3 = cl3 || (unbatched && input.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
   if (!cl2 && !cl3) return;
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
-    const auto& dims = meta.outputs[i].dims;
+    lowering::Dims dims = meta.outputs[i].dims;
+    if (unbatched) dims.insert(dims.begin(), 1);
     if (meta.absent[i] || static_cast<int64_t>(dims.size()) != input.dim()) continue;
     std::vector<int64_t> strides = cl2 ? c10::get_channels_last_strides_2d(dims) : c10::get_channels_last_strides_3d(dims);
+    if (unbatched) {
+      dims.erase(dims.begin());
+      strides.erase(strides.begin());
+    }
     bool row_major = at::empty_strided(dims, strides, at::TensorOptions().device(at::kMeta)).is_contiguous();
     meta.strides[i] = row_major ? std::vector<int64_t>() : strides;
   }
