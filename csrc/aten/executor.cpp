@@ -1011,6 +1011,32 @@ bool is_self_copy(const c10::FunctionSchema& schema, const torch::jit::Stack& st
          d.is_neg() == s.is_neg();
 }
 
+// Index tensors held on the host (`x[cpu_indices]`) are checked at the op,
+// with the CPU's error; indices on the device are checked by the program,
+// whose verdict surfaces at the next wait (Runtime checks, architecture.md).
+void check_host_indices(const Call& call) {
+  std::string base = base_name(call.schema);
+  if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
+  const auto& list = call.args[*call.schema.argumentIndexWithName("indices")];
+  const at::Tensor& self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
+  if (!list.isList()) return;
+  auto items = list.toList();
+  int64_t position = -1;  // CPU's message numbers the indexed dims only
+  for (size_t d = 0; d < items.size() && static_cast<int64_t>(d) < self.dim(); ++d) {
+    c10::IValue item = items.get(d);
+    if (!item.isTensor() || !item.toTensor().defined()) continue;
+    ++position;
+    const at::Tensor& t = item.toTensor();
+    if (!t.device().is_cpu() || t.numel() == 0 || !at::isIntegralType(t.scalar_type(), false)) continue;
+    int64_t size = self.size(static_cast<int64_t>(d));
+    at::Tensor flat = t.reshape(-1).to(at::kLong);
+    at::Tensor bad = at::logical_or(flat < -size, flat >= size).nonzero();
+    if (bad.numel() == 0) continue;
+    TORCH_CHECK_INDEX(false, "index ", flat[bad[0][0].item<int64_t>()].item<int64_t>(), " is out of bounds for dimension ",
+                      position, " with size ", size);
+  }
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
@@ -1056,6 +1082,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     }
   }
   if (call.device < 0) call.device = current_device();
+  check_host_indices(call);
 
   std::shared_ptr<CachedOp> cached;
   {

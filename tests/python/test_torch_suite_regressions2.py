@@ -123,3 +123,31 @@ def test_unbatched_max_pool3d_layout_matches_cpu(channels_last):
     for cpu, tpu in zip(*results):
         assert tpu.stride() == cpu.stride()
         torch.testing.assert_close(tpu.detach().cpu(), cpu.detach())
+
+
+# ---- index checks: host-held indices raise at the op; messages number the indexed dims as the CPU does ----
+
+@pytest.mark.parametrize("case", [
+    lambda x, i: x[i([1, 5])],
+    lambda x, i: x[i([0]), :, i([9])],
+    lambda x, i: x[:, :, i([-5])],
+    lambda x, i: x.index_put_((i([0]), i([3])), torch.tensor(1.0, device=x.device)),
+])
+def test_cpu_index_tensors_raise_at_the_op(case):
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(IndexError) as cpu:
+        case(x, torch.tensor)
+    with pytest.raises(IndexError) as tpu:
+        case(x.to("tpu"), torch.tensor)  # the CPU index tensors are on the host: no wait needed
+    assert str(cpu.value).split("\n")[0] in str(tpu.value)
+    torch.tpu.synchronize()  # nothing left pending
+
+
+def test_device_index_check_numbers_indexed_dims_like_cpu():
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(IndexError) as cpu:
+        x[:, :, torch.tensor([9])]
+    x.to("tpu")[:, :, torch.tensor([9], device="tpu")]
+    with pytest.raises(IndexError) as tpu:
+        torch.tpu.synchronize()
+    assert str(cpu.value).split("\n")[0] in str(tpu.value)
