@@ -598,7 +598,12 @@ void check_index_put_value_shape(const Call& call, const at::Tensor& self, const
   });
   if (by_mask) return;
   auto meta_indices = meta_value(indices).to<c10::List<std::optional<at::Tensor>>>();
-  at::Tensor result = at::index(at::empty(self.sizes(), self.options().device(at::kMeta)), meta_indices);
+  at::Tensor result;
+  try {
+    result = at::index(at::empty(self.sizes(), self.options().device(at::kMeta)), meta_indices);
+  } catch (const std::exception&) {
+    throw MetaRejected();  // indices that do not broadcast: the CPU kernel raises its own IndexError
+  }
   TORCH_CHECK(at::is_expandable_to(values.sizes(), result.sizes()), "shape mismatch: value tensor of shape ",
               values.sizes(), " cannot be broadcast to indexing result of shape ", result.sizes());
 }

@@ -151,3 +151,12 @@ def test_device_index_check_numbers_indexed_dims_like_cpu():
     with pytest.raises(IndexError) as tpu:
         torch.tpu.synchronize()
     assert str(cpu.value).split("\n")[0] in str(tpu.value)
+
+
+def test_index_put_with_indices_that_do_not_broadcast_raises_cpu_index_error():
+    # The value-shape check asked the meta kernel (a Python reference: RuntimeError) before the CPU kernel.
+    a = torch.zeros(5, 5)
+    assert_same_error(lambda t: t.__setitem__(([0, 1], [0, 1, 2]), 0), a)
+    assert_same_error(lambda t: t[[0, 1], [0, 1, 2]], a)
+    i, j = torch.tensor([0, 1]), torch.tensor([0, 1, 2])
+    assert_same_error(lambda t: t.index_put_((i.to(t.device), j.to(t.device)), torch.tensor(1.0, device=t.device)), a)
