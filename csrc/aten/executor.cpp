@@ -300,6 +300,7 @@ bool has_integral_tensor(const Call& call) {
   return found;
 }
 void probe_on_cpu(const Call& call, bool only_dtype_errors = false);
+void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill);
 void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
   bool may_miss = meta_may_miss_an_error(call, &total);
@@ -625,7 +626,12 @@ void check_index_put_value_shape(const Call& call, const at::Tensor& self, const
   });
   if (by_mask) return;
   auto meta_indices = meta_value(indices).to<c10::List<std::optional<at::Tensor>>>();
-  at::Tensor result = at::index(at::empty(self.sizes(), self.options().device(at::kMeta)), meta_indices);
+  at::Tensor result;
+  try {
+    result = at::index(at::empty(self.sizes(), self.options().device(at::kMeta)), meta_indices);
+  } catch (const std::exception&) {
+    throw MetaRejected();  // indices that do not broadcast: the CPU kernel raises its own IndexError
+  }
   TORCH_CHECK(at::is_expandable_to(values.sizes(), result.sizes()), "shape mismatch: value tensor of shape ",
               values.sizes(), " cannot be broadcast to indexing result of shape ", result.sizes());
 }
@@ -692,17 +698,27 @@ void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
   bool pool = pools.count(base) > 0;
   if (base != "convolution" && base != "convolution_backward" && !pool) return;
   auto input = call.args[*call.schema.argumentIndexWithName(pool ? "self" : "input")].toTensor();
+  // 3-d pools see an unbatched (C, D, H, W) input as a batch of one.
+  bool unbatched = pool && base.rfind("max_pool3d", 0) == 0 && input.dim() == 4;
+  if (unbatched) input = input.unsqueeze(0);
   auto weight = pool ? input : call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
   auto suggests = [&](c10::MemoryFormat f) {
     return input.suggest_memory_format() == f || weight.suggest_memory_format() == f;
   };
   bool cl2 = input.dim() == 4 && suggests(c10::MemoryFormat::ChannelsLast);
   bool cl3 = input.dim() == 5 && suggests(c10::MemoryFormat::ChannelsLast3d) && (pool || input.scalar_type() != at::kDouble);
+  // (the batch of one's stride defeats suggest_memory_format; CPU's kernel asks is_contiguous)
+  cl3 = cl3 || (unbatched && input.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
   if (!cl2 && !cl3) return;
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
-    const auto& dims = meta.outputs[i].dims;
+    lowering::Dims dims = meta.outputs[i].dims;
+    if (unbatched) dims.insert(dims.begin(), 1);
     if (meta.absent[i] || static_cast<int64_t>(dims.size()) != input.dim()) continue;
     std::vector<int64_t> strides = cl2 ? c10::get_channels_last_strides_2d(dims) : c10::get_channels_last_strides_3d(dims);
+    if (unbatched) {
+      dims.erase(dims.begin());
+      strides.erase(strides.begin());
+    }
     bool row_major = at::empty_strided(dims, strides, at::TensorOptions().device(at::kMeta)).is_contiguous();
     meta.strides[i] = row_major ? std::vector<int64_t>() : strides;
   }
@@ -748,7 +764,8 @@ std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& sc
 // a check CPU makes outside the meta kernels raises CPU's own error (type and
 // message). Stand-ins are ones (valid divisors; read-only inputs are expanded
 // scalars, so no memory) and zeros for index arguments (valid for any size).
-void probe_on_cpu(const Call& call, bool only_dtype_errors) {
+void probe_on_cpu(const Call& call, bool only_dtype_errors) { probe_on_cpu_with(call, only_dtype_errors, 1); }
+void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill) {
   torch::jit::Stack stack;
   for (size_t i = 0; i < call.args.size(); ++i) {
     const auto& v = call.args[i];
@@ -761,7 +778,7 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
     stack.push_back(map_tensors(v, [&](const at::Tensor& t) {
       if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
       auto options = t.options().device(at::kCPU);
-      at::Tensor one = index ? at::zeros({}, options) : at::ones({}, options);
+      at::Tensor one = index || fill == 0 ? at::zeros({}, options) : at::ones({}, options);
       return written ? one.expand(t.sizes()).clone() : one.expand(t.sizes());
     }));
   }
@@ -771,8 +788,21 @@ void probe_on_cpu(const Call& call, bool only_dtype_errors) {
     // No CPU kernel to ask: the meta kernel's checks are all there are. (A
     // kernel without this dtype raises as the CPU does.)
     if (std::string(e.what()).find("Could not run") == std::string::npos) throw;
-  } catch (const std::exception&) {
-    if (!only_dtype_errors) throw;
+  } catch (const std::exception& e) {
+    if (!only_dtype_errors || fill == 0) throw;
+    // Stand-in values may cause an error real data would not; one that ones
+    // and zeros both raise with the same message is about the dtypes or
+    // shapes ("Boolean inputs not supported for relu"): the CPU raises it.
+    auto message = [](const std::exception& x) -> std::string {
+      auto* c10_error = dynamic_cast<const c10::Error*>(&x);
+      return c10_error ? c10_error->what_without_backtrace() : x.what();
+    };
+    std::string first = message(e);
+    try {
+      probe_on_cpu_with(call, false, 0);
+    } catch (const std::exception& again) {
+      if (first == message(again)) throw;
+    }
   }
 }
 
@@ -996,7 +1026,24 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
 std::mutex g_cache_mutex;
 // Never destroyed: no PJRT call may run during static destruction at exit.
 std::unordered_map<std::string, std::shared_ptr<CachedOp>>& g_op_cache = *new std::unordered_map<std::string, std::shared_ptr<CachedOp>>();
+// A call reaches the device only with a tpu tensor in it; a CPU tensor it
+// would write (out=) is the user's device mix-up, as on CUDA. (PyTorch's CPU
+// fallback would instead fail copying its result back.)
+void check_written_on_device(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  size_t nargs = schema.arguments().size();
+  for (size_t i = 0; i < nargs; ++i) {
+    const auto& arg = schema.arguments()[i];
+    if (!arg.alias_info() || !arg.alias_info()->isWrite()) continue;
+    map_tensors(stack[stack.size() - nargs + i], [&](const at::Tensor& t) {
+      TORCH_CHECK(!t.defined() || t.device().type() == kTpu, "Expected all tensors to be on the same device, but ",
+                  "found at least two devices, tpu:", current_device(), " and ", t.device(), "! (in ",
+                  op_name(schema), ", argument '", arg.name(), "')");
+      return t;
+    });
+  }
+}
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
+  check_written_on_device(op.schema(), *stack);
   note_cpu_fallback(op_name(op.schema()), why);
   flush_pending();
   at::native::cpu_fallback(op, stack);
@@ -1083,6 +1130,32 @@ void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* 
   indices = expanded;
 }
 
+// Index tensors held on the host (`x[cpu_indices]`) are checked at the op,
+// with the CPU's error; indices on the device are checked by the program,
+// whose verdict surfaces at the next wait (Runtime checks, architecture.md).
+void check_host_indices(const Call& call) {
+  std::string base = base_name(call.schema);
+  if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
+  const auto& list = call.args[*call.schema.argumentIndexWithName("indices")];
+  const at::Tensor& self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
+  if (!list.isList()) return;
+  auto items = list.toList();
+  int64_t position = -1;  // CPU's message numbers the indexed dims only
+  for (size_t d = 0; d < items.size() && static_cast<int64_t>(d) < self.dim(); ++d) {
+    c10::IValue item = items.get(d);
+    if (!item.isTensor() || !item.toTensor().defined()) continue;
+    ++position;
+    const at::Tensor& t = item.toTensor();
+    if (!t.device().is_cpu() || t.numel() == 0 || !at::isIntegralType(t.scalar_type(), false)) continue;
+    int64_t size = self.size(static_cast<int64_t>(d));
+    at::Tensor flat = t.reshape(-1).to(at::kLong);
+    at::Tensor bad = at::logical_or(flat < -size, flat >= size).nonzero();
+    if (bad.numel() == 0) continue;
+    TORCH_CHECK_INDEX(false, "index ", flat[bad[0][0].item<int64_t>()].item<int64_t>(), " is out of bounds for dimension ",
+                      position, " with size ", size);
+  }
+}
+
 // Returns false (stack untouched) when the op must run elsewhere.
 bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string* why) {
   const auto& schema = op.schema();
@@ -1139,6 +1212,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     }
   }
   if (call.device < 0) call.device = current_device();
+  check_host_indices(call);
 
   std::shared_ptr<CachedOp> cached;
   {

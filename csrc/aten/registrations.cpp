@@ -194,9 +194,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 }
 
 // Ops whose generic (CompositeExplicitAutograd) kernels would route to a
-// device hook that throws (convolution_overrideable): send them to the lowerings.
+// device hook that throws (convolution_overrideable) or reject devices other
+// than CPU/CUDA/XPU (mode's out= form): send them to the lowerings (or the CPU).
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  for (const char* name : {"convolution", "convolution_backward"})
+  for (const char* name : {"convolution", "convolution_backward", "mode.values"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
 }
 

@@ -17,13 +17,13 @@ namespace py = pybind11;
 using namespace torch_pjrt;
 
 PYBIND11_MODULE(_C, m) {
-  py::register_exception_translator([](std::exception_ptr p) {
+  // Local to this module: a global translator would also catch the c10
+  // errors of every torch binding (pybind11's registry is shared), turning
+  // NotImplementedError, TypeError, ... into RuntimeError. c10 errors fall
+  // through to torch's own translator, which keeps their Python types.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const c10::IndexError& e) {  // a failed index check raised at synchronize()
-      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
-    } catch (const c10::Error& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     } catch (const torch_pjrt::pjrt::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

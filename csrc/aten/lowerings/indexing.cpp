@@ -242,8 +242,10 @@ IndexPlan plan_index(Context& c, const Value& x, const std::vector<std::optional
   Dims with_one = p.batch;
   with_one.push_back(1);
   std::vector<Value> parts;
-  for (int64_t d : indexed) {
-    check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, out_of_bounds(d, x.dims()[d]));
+  for (size_t k = 0; k < indexed.size(); ++k) {
+    int64_t d = indexed[k];
+    // CPU's message numbers the indexed dims only (x[:, i] reports dimension 0).
+    check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, out_of_bounds(static_cast<int64_t>(k), x.dims()[d]));
     Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d]), p.batch);
     parts.push_back(b.reshape(i, with_one));
   }
