@@ -87,6 +87,9 @@ struct LoweringEntry {
   // (native_batch_norm's running stats). The lowering returns their new values
   // after the op's returns.
   std::vector<std::string> extra_writes;
+  // Handles complex inputs and results. Others never see them: the executor
+  // sends such calls to the CPU (lowerings/complex.cpp lists the ones that do).
+  bool complex = false;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -107,6 +110,7 @@ Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
+void allow_complex(Table& table, const std::string& name);  // the lowering handles complex values
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
                   std::vector<std::string> extra_writes = {});
 void register_pointwise(Table&);
@@ -116,6 +120,7 @@ void register_shape(Table&);
 void register_indexing(Table&);
 void register_nn(Table&);
 void register_random(Table&);
+void register_complex(Table&);  // last: marks complex-capable lowerings of the other families
 
 }  // namespace torch_pjrt::lowering
 

@@ -56,6 +56,11 @@ UNARY(lgamma, "chlo.lgamma")
 std::vector<Value> lower_sign(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(o.compute)) {  // sgn: x / |x|, and 0 at 0
+    Value magnitude = c.b.convert(c.b.unary("abs", x), o.compute);
+    Value zero = full(c.b, 0, x);
+    return {c.b.select(c.b.compare(magnitude, zero, hlo::Compare::EQ), zero, c.b.binary("divide", x, magnitude))};
+  }
   if (is_unsigned(o.compute) || o.compute == ElementType::Pred)
     return {c.b.convert(c.b.compare(x, full(c.b, 0, x), hlo::Compare::NE), o.compute)};
   Value s = c.b.unary("sign", x);
@@ -66,6 +71,7 @@ std::vector<Value> lower_sign(Context& c) {
 std::vector<Value> lower_abs(Context& c) {
   Out o(c);
   if (o.compute == ElementType::Pred) throw Unsupported("abs of bool");
+  if (is_complex(c.tensor_element("self"))) return {c.b.unary("abs", c.tensor("self"))};  // a real magnitude
   Value x = in(c, o);
   return {is_unsigned(o.compute) ? x : c.b.unary("abs", x)};
 }
