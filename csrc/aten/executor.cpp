@@ -1312,7 +1312,7 @@ at::Tensor to_host(const at::Tensor& t) {
   if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e &&
-                buffer->element_count() == t.numel();
+                buffer->element_count() == t.numel() && !t.is_conj() && !t.is_neg();  // clone applies the bits
   if (!direct) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
@@ -1337,8 +1337,9 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   }
   at::Tensor source = src;
   if (src.device().type() == kTpu && src.device() != dst.device()) source = to_host(src);
+  if (source.device().is_cpu()) source = source.resolve_conj().resolve_neg();  // host operands are raw bytes
   StorageState& st = storage_state(dst.storage());
-  bool whole = dst.is_contiguous() && dst.storage_offset() == 0 &&
+  bool whole = dst.is_contiguous() && dst.storage_offset() == 0 && !dst.is_conj() && !dst.is_neg() &&
                static_cast<size_t>(dst.numel()) * dst.element_size() == st.nbytes;
   if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
     // The common `.to("tpu")`: upload straight into the storage. A recorded

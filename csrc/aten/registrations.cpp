@@ -184,6 +184,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
 }
 
+// _copy_from's schema does not mark `dst` as written, so PyTorch's conjugate
+// and negative fallbacks would hand it a materialized temporary (the copy into
+// `z.conj()` was lost). Let the bits through: copy_into reads and writes
+// through them (executor.cpp, read_through_bits).
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
 }
