@@ -98,6 +98,45 @@ def test_unary(op, dtype):
     assert_lowered(f, crandn(4, 5, dtype=dtype), **tol(dtype))
 
 
+MORE_UNARY = ["exp2", "log2", "log10", "log1p", "expm1", "rsqrt", "sigmoid", "tan", "square"]
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
+@pytest.mark.parametrize("op", MORE_UNARY)
+def test_more_unary(op, dtype):
+    assert_lowered(getattr(torch, op), crandn(4, 5, dtype=dtype) * 0.5, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
+def test_isnan(dtype):
+    x = torch.tensor([1 + 1j, complex(float("nan"), 0), complex(0, float("nan")), 2j], dtype=dtype)
+    assert_lowered(torch.isnan, x)
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
+def test_data_movement(dtype):
+    x = crandn(4, 5, dtype=dtype)
+    idx = torch.tensor([3, 0, 2])
+    assert_lowered(lambda t: t.flip(0), x)
+    assert_lowered(lambda t: t.roll(2, 1), x)
+    assert_lowered(lambda t: t.tril(), x)
+    assert_lowered(lambda t: t.triu(1), x)
+    assert_lowered(lambda t: torch.cat([t, t.conj()]), x)
+    assert_lowered(lambda t: torch.stack([t, t * 1j], -1), x)
+    assert_lowered(lambda t, m: t.masked_fill(m, 2 - 1j), x, x.real > 0)
+    assert_lowered(lambda t, i: t.index_select(1, i), x, idx)
+    assert_lowered(lambda t, i: t[i], x, idx)
+    assert_lowered(lambda t, i: t.gather(1, i.expand(4, 3)), x, idx)
+
+    def put(t, i):
+        z = t.clone()
+        z[i] = 5j
+        z.index_put_((i,), t[:3] * 2, accumulate=True)
+        return z
+
+    assert_lowered(put, x, idx)
+
+
 @pytest.mark.parametrize("dtype", COMPLEX)
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
 def test_binary(op, dtype):

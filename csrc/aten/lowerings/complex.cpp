@@ -162,7 +162,9 @@ void register_complex(Table& t) {
   for (const char* name :
        {"abs", "sgn", "neg", "exp", "log", "sqrt", "sin", "cos", "tanh", "reciprocal", "add", "sub", "rsub", "mul",
         "div", "pow", "eq", "ne", "where", "fill", "zero", "copy", "clone", "_to_copy", "sum", "prod", "mean", "mm",
-        "bmm", "mv", "dot", "addmm", "baddbmm", "addbmm", "addmv", "normal", "cat"})
+        "bmm", "mv", "dot", "addmm", "baddbmm", "addbmm", "addmv", "normal", "cat", "exp2", "log2", "log10", "log1p",
+        "expm1", "rsqrt", "sigmoid", "tan", "isnan", "masked_fill", "flip", "roll", "tril", "triu", "index_select",
+        "index", "gather", "index_put", "_index_put_impl"})
     allow_complex(t, name);
 }
 

@@ -176,8 +176,8 @@ std::vector<Value> lower_logical_not(Context& c) {
 }
 std::vector<Value> lower_isnan(Context& c) {
   Value x = c.tensor("self");
-  if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
-  return {c.b.compare(x, x, hlo::Compare::NE)};
+  if (!is_float(x.element()) && !is_complex(x.element())) return {c.b.constant_bool(false, x.dims())};
+  return {c.b.compare(x, x, hlo::Compare::NE)};  // complex: either part NaN
 }
 std::vector<Value> lower_isinf(Context& c) {
   Value x = c.tensor("self");
