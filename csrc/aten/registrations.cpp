@@ -154,6 +154,19 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
   return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
 }
 
+// Views that reinterpret a complex storage as (re, im) pairs and back. A dtype
+// XLA has no type for (complex32 of a half tensor) raises, as empty() does.
+at::Tensor view_as_real(const at::Tensor& self) {
+  at::Tensor out = at::native::view_as_real(self);
+  element_or_throw(out.scalar_type());
+  return out;
+}
+at::Tensor view_as_complex(const at::Tensor& self) {
+  at::Tensor out = at::native::view_as_complex(self);
+  element_or_throw(out.scalar_type());
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("empty.memory_format", empty_memory_format);
@@ -161,10 +174,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
-  // Views that reinterpret a complex storage as (re, im) pairs and back:
   // storage_as (strided_view.cpp) converts the flat buffer's type on read.
-  m.impl("view_as_real", at::native::view_as_real);
-  m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("view_as_real", view_as_real);
+  m.impl("view_as_complex", view_as_complex);
   m.impl("unfold", at::native::unfold);
   m.impl("resize_", resize_);
   m.impl("set_.source_Storage_storage_offset", set_storage);
