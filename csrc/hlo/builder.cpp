@@ -262,6 +262,8 @@ Value Builder::convert(Value x, ElementType to) {
   if (x.element() == to) return x;
   // XLA converts complex to real only through real(); between complex types
   // and from real to complex part by part (the imaginary part of a real is 0).
+  if (is_complex(x.element()) && to == ElementType::Pred)  // truthiness: either part nonzero
+    return compare(x, constant(0, x.element(), x.dims()), Compare::NE);
   if (is_complex(x.element()) && !is_complex(to)) return convert(real(x), to);
   if (is_complex(to)) {
     ElementType part = real_part_type(to);

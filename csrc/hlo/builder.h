@@ -64,7 +64,8 @@ class Builder {
   Value imag(Value x);
   Value complex(Value re, Value im);
   Value conj(Value x);
-  // Complex to real keeps the real part, as PyTorch's casts do.
+  // Complex to real keeps the real part, as PyTorch's casts do; to bool it is
+  // x != 0.
   Value convert(Value x, ElementType to);
   Value bitcast_convert(Value x, TensorType to);
 

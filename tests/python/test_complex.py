@@ -91,20 +91,22 @@ def test_complex_to_real_cast_keeps_real_part(dtype):
 UNARY = ["neg", "abs", "angle", "exp", "log", "sqrt", "sin", "cos", "tanh", "reciprocal", "conj_physical", "sgn"]
 
 
+MORE_UNARY = ["exp2", "log2", "log10", "log1p", "expm1", "rsqrt", "sigmoid", "tan", "square", "sinh", "cosh", "asin",
+              "acos", "atan", "asinh", "acosh", "atanh", "silu"]
+
+
+def grid(dtype):
+    """Real and imaginary parts over signs, zero, small and large values: branch cuts and overflow."""
+    parts = torch.tensor([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 1e-3, 20.0])
+    return torch.complex(parts[:, None].expand(9, 9), parts[None, :].expand(9, 9)).reshape(-1).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", COMPLEX)
-@pytest.mark.parametrize("op", UNARY)
-def test_unary(op, dtype):
-    f = getattr(torch, op)
-    assert_lowered(f, crandn(4, 5, dtype=dtype), **tol(dtype))
-
-
-MORE_UNARY = ["exp2", "log2", "log10", "log1p", "expm1", "rsqrt", "sigmoid", "tan", "square"]
-
-
-@pytest.mark.parametrize("dtype", COMPLEX)
-@pytest.mark.parametrize("op", MORE_UNARY)
-def test_more_unary(op, dtype):
-    assert_lowered(getattr(torch, op), crandn(4, 5, dtype=dtype) * 0.5, **tol(dtype))
+@pytest.mark.parametrize("op", UNARY + MORE_UNARY)
+def test_unary_over_the_plane(op, dtype):
+    f = getattr(torch.nn.functional, op) if op == "silu" else getattr(torch, op)
+    assert_lowered(f, crandn(4, 5, dtype=dtype) * 0.5, **tol(dtype))
+    assert_lowered(f, grid(dtype), **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", COMPLEX)
@@ -135,6 +137,8 @@ def test_data_movement(dtype):
         return z
 
     assert_lowered(put, x, idx)
+    assert_lowered(lambda t, i: t.scatter(0, i[:, None].expand(3, 5), t[:3] * 1j), x, idx)
+    assert_lowered(lambda t, i: t.scatter_add(1, i[None].expand(4, 3), t[:, :3]), x, idx, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", COMPLEX)
@@ -155,6 +159,21 @@ def test_in_place_and_alpha(dtype):
                    **tol(dtype))
     assert_lowered(lambda a, b: torch.where(a.real > 0, a, b), crandn(3, 3, dtype=dtype), crandn(3, 3, dtype=dtype))
     assert_lowered(lambda a: a == a.conj(), torch.tensor([1 + 0j, 1 + 1j, -2 + 0j], dtype=dtype))
+    assert_lowered(lambda a, b, c: torch.addcmul(a, b, c, value=2), *(crandn(3, dtype=dtype) for _ in range(3)),
+                   **tol(dtype))
+    assert_lowered(lambda a, b, c: torch.addcdiv(a, b, c), *(crandn(3, dtype=dtype) for _ in range(3)), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
+def test_truthiness(dtype):
+    # a complex value is true when either part is nonzero (not just the real part)
+    x = torch.tensor([0j, 1j, 2 + 0j, -1 - 1j, complex(0, -0.0)], dtype=dtype)
+    assert_lowered(lambda t: t.to(torch.bool), x)
+    assert_lowered(lambda t: t.bool().int(), x)
+    assert_lowered(torch.logical_not, x)
+    assert_lowered(lambda t: torch.logical_and(t, t.flip(0)), x)
+    assert_lowered(lambda t: torch.logical_xor(t, torch.tensor(1j, dtype=dtype)), x)
+    assert_lowered(lambda t: (t.any(), t.all(), t[:3].all(), torch.count_nonzero(t)), x)
 
 
 # ---- the conjugate and negative bits ----
@@ -278,6 +297,8 @@ def test_reductions(dtype):
     assert_lowered(lambda t: t.mean(0, keepdim=True), x, **tol(dtype))
     assert_lowered(lambda t: t.prod(1), x, **tol(dtype))
     assert_lowered(lambda t: t.conj().sum(0), x, **tol(dtype))
+    assert_lowered(lambda t: t.cumsum(1), x, **tol(dtype))
+    assert_lowered(lambda t: t.cumprod(0), x, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", COMPLEX)
@@ -289,6 +310,8 @@ def test_products(dtype):
     assert_lowered(lambda p, q: torch.addmm(p, q, q.T, beta=0.5, alpha=2), crandn(3, 3, dtype=dtype), a, **tol(dtype))
     assert_lowered(torch.mv, a, crandn(4, dtype=dtype), **tol(dtype))
     assert_lowered(lambda p, q: p @ q, a, rrandn(4, 2, dtype=dtype).to(dtype), **tol(dtype))
+    assert_lowered(torch.vdot, crandn(5, dtype=dtype), crandn(5, dtype=dtype), **tol(dtype))  # conjugates self
+    assert_lowered(torch.vdot, rrandn(5, dtype=dtype), rrandn(5, dtype=dtype), **tol(dtype))
 
 
 # ---- FFT ----
@@ -349,15 +372,66 @@ def test_autograd(dtype):
 # ---- ops without a complex lowering run on the CPU ----
 
 
-def test_unlowered_complex_ops_fall_back_and_are_counted():
+@pytest.mark.parametrize(
+    "op,fn",
+    [
+        # lowerings that do not declare complex support (they would take the real part, compare
+        # complex values or test only the real part for inf) never see complex values
+        ("aten::linalg_vector_norm", lambda t: torch.linalg.vector_norm(t, dim=1)),
+        ("aten::var.correction", lambda t: t.var(1)),
+        ("aten::isinf", torch.isinf),
+        ("aten::lerp.Scalar", lambda t: torch.lerp(t, t * 2, 0.3)),
+        ("aten::logsumexp", lambda t: torch.logsumexp(t, 1)),
+    ],
+)
+def test_ops_without_a_complex_lowering_fall_back_and_are_counted(op, fn):
     x = crandn(3, 4)
-    before = fallbacks().get("aten::cumsum", 0)
-    assert_matches_cpu(lambda t: t.cumsum(0), x, atol=1e-5, rtol=1e-5)
+    x[0, 0] = complex(float("inf"), 1)
+    before = fallbacks().get(op, 0)
+    assert_matches_cpu(fn, x, atol=1e-5, rtol=1e-5)
     torch_pjrt.sync()
-    assert fallbacks().get("aten::cumsum", 0) == before + 1
-    # lowerings that do not declare complex support never see complex values
-    assert_matches_cpu(lambda t: torch.exp2(t), x, atol=1e-4, rtol=1e-4)
-    assert_matches_cpu(lambda t: torch.log10(t), x, atol=1e-4, rtol=1e-4)
-    assert_matches_cpu(lambda t: t.flip(0), x)
-    assert_matches_cpu(lambda t: torch.linalg.vector_norm(t, dim=1), x, atol=1e-5, rtol=1e-5)
-    assert_matches_cpu(lambda t: torch.vdot(t[0], t[1]), x, atol=1e-5, rtol=1e-5)
+    assert fallbacks().get(op, 0) > before
+
+
+def test_complex32_raises():
+    with pytest.raises(RuntimeError, match="tpu tensors do not support dtype ComplexHalf"):
+        torch.zeros(2, dtype=torch.complex32, device=DEVICE)
+
+
+# ---- PyTorch's OpInfo samples in complex64: right results, lowered or on the CPU ----
+
+common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+OPINFO_SKIP_PREFIX = ("sparse.", "to_sparse", "nn.functional.dropout", "linalg.eig")
+OPINFO_SKIP = {
+    "item", "to", "stft", "istft", "tensor_split", "as_strided", "as_strided_scatter", "chalf",  # complex32
+    "svd_lowrank", "pca_lowrank",  # random projections: singular vectors match only up to a complex phase
+    "bernoulli", "exponential", "normal", "uniform", "rand_like", "randn_like", "randint_like", "randint",
+    "multinomial", "cauchy", "geometric", "log_normal", "randn", "rand", "empty", "empty_like", "empty_strided",
+    "new_empty", "new_empty_strided", "empty_permuted",
+}
+OPINFO_OPS = [op for op in common.op_db
+              if torch.complex64 in op.supported_dtypes("cpu") and op.name not in OPINFO_SKIP
+              and not op.name.startswith(OPINFO_SKIP_PREFIX)]
+
+
+@pytest.mark.parametrize("op", OPINFO_OPS, ids=lambda op: op.name + (f".{op.variant_test_name}" if op.variant_test_name else ""))
+def test_opinfo_complex64(op):
+    import torch.utils._pytree as pytree
+
+    ran = 0
+    for sample in list(op.sample_inputs("cpu", torch.complex64, requires_grad=False))[:3]:
+        args = (sample.input, sample.args, sample.kwargs)
+        try:
+            expected = op(sample.input, *sample.args, **sample.kwargs)
+        except Exception:
+            continue  # the CPU rejects this sample too
+        inp, a, kw = pytree.tree_map(lambda v: v.detach().to(DEVICE) if isinstance(v, torch.Tensor) else v, args)
+        if "device" in kw:
+            kw = dict(kw, device=DEVICE)
+        actual = op(inp, *a, **kw)
+        for e, x in zip(pytree.tree_leaves(expected), pytree.tree_leaves(actual)):
+            if isinstance(e, torch.Tensor):
+                torch.testing.assert_close(x.cpu(), e, equal_nan=True, atol=1e-3, rtol=1e-3, check_stride=False)
+        ran += 1
+    if ran == 0:
+        pytest.skip("no complex64 sample runs on CPU")

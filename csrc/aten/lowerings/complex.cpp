@@ -164,7 +164,9 @@ void register_complex(Table& t) {
         "div", "pow", "eq", "ne", "where", "fill", "zero", "copy", "clone", "_to_copy", "sum", "prod", "mean", "mm",
         "bmm", "mv", "dot", "addmm", "baddbmm", "addbmm", "addmv", "normal", "cat", "exp2", "log2", "log10", "log1p",
         "expm1", "rsqrt", "sigmoid", "tan", "isnan", "masked_fill", "flip", "roll", "tril", "triu", "index_select",
-        "index", "gather", "index_put", "_index_put_impl"})
+        "index", "gather", "index_put", "_index_put_impl", "cumsum", "cumprod", "addcmul", "addcdiv", "silu",
+        "logical_and", "logical_or", "logical_xor", "logical_not", "all", "any", "count_nonzero", "vdot", "scatter",
+        "scatter_add", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh"})
     allow_complex(t, name);
 }
 

@@ -110,20 +110,30 @@ std::vector<Value> lower_zeta(Context& c) {
   return {c.b.binary("chlo.zeta", in(c, o), in(c, o, "other"))};
 }
 
+// x * k for a real k. A complex x scales part by part, as the CPU's
+// complex-by-real arithmetic does: (-inf + 0j) * k has imaginary part 0, not
+// the NaN of a complex product with k + 0j.
+Value times_real(Builder& b, Value x, double k) {
+  if (!is_complex(x.element())) return b.binary("multiply", x, full(b, k, x));
+  Value re = b.real(x), im = b.imag(x);
+  return b.complex(b.binary("multiply", re, full(b, k, re)), b.binary("multiply", im, full(b, k, im)));
+}
 std::vector<Value> lower_log2(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(x.element())) return {times_real(c.b, c.b.unary("log", x), 1.0 / std::log(2.0))};
   return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(2.0), x))};
 }
 std::vector<Value> lower_log10(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(x.element())) return {times_real(c.b, c.b.unary("log", x), 1.0 / std::log(10.0))};
   return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(10.0), x))};
 }
 std::vector<Value> lower_exp2(Context& c) {
   Out o(c);
   Value x = in(c, o);
-  return {c.b.unary("exponential", c.b.binary("multiply", x, full(c.b, std::log(2.0), x)))};
+  return {c.b.unary("exponential", times_real(c.b, x, std::log(2.0)))};
 }
 // round(x, decimals): scaled by 10^|decimals| as PyTorch does, ties to even.
 std::vector<Value> lower_round(Context& c) {
