@@ -302,6 +302,18 @@ def test_reductions(dtype):
 
 
 @pytest.mark.parametrize("dtype", COMPLEX)
+def test_norms_and_isinf(dtype):
+    x = crandn(3, 4, dtype=dtype)
+    for ord in (2, 1, float("inf"), 0, 3):
+        assert_lowered(lambda t: torch.linalg.vector_norm(t, ord=ord, dim=1), x, **tol(dtype))
+    assert_lowered(lambda t: torch.linalg.vector_norm(t), x, **tol(dtype))
+    big = 3e38 if dtype == torch.complex64 else 1.5e308
+    y = torch.tensor([complex(float("inf"), 0), complex(0, float("-inf")), complex(float("nan"), float("inf")),
+                      complex(big, big), 1 + 1j, complex(float("nan"), 0)], dtype=dtype)
+    assert_lowered(torch.isinf, y)
+
+
+@pytest.mark.parametrize("dtype", COMPLEX)
 def test_products(dtype):
     a, b = crandn(3, 4, dtype=dtype), crandn(4, 2, dtype=dtype)
     assert_lowered(torch.mm, a, b, **tol(dtype))
@@ -377,9 +389,7 @@ def test_autograd(dtype):
     [
         # lowerings that do not declare complex support (they would take the real part, compare
         # complex values or test only the real part for inf) never see complex values
-        ("aten::linalg_vector_norm", lambda t: torch.linalg.vector_norm(t, dim=1)),
         ("aten::var.correction", lambda t: t.var(1)),
-        ("aten::isinf", torch.isinf),
         ("aten::lerp.Scalar", lambda t: torch.lerp(t, t * 2, 0.3)),
         ("aten::logsumexp", lambda t: torch.logsumexp(t, 1)),
     ],

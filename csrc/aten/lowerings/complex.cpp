@@ -166,7 +166,8 @@ void register_complex(Table& t) {
         "expm1", "rsqrt", "sigmoid", "tan", "isnan", "masked_fill", "flip", "roll", "tril", "triu", "index_select",
         "index", "gather", "index_put", "_index_put_impl", "cumsum", "cumprod", "addcmul", "addcdiv", "silu",
         "logical_and", "logical_or", "logical_xor", "logical_not", "all", "any", "count_nonzero", "vdot", "scatter",
-        "scatter_add", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh"})
+        "scatter_add", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "linalg_vector_norm",
+        "isinf"})
     allow_complex(t, name);
 }
 

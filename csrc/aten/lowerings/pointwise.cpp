@@ -191,6 +191,11 @@ std::vector<Value> lower_isnan(Context& c) {
 }
 std::vector<Value> lower_isinf(Context& c) {
   Value x = c.tensor("self");
+  if (is_complex(x.element())) {  // either part infinite (|x| would overflow for large finite parts)
+    Value re = c.b.unary("abs", c.b.real(x)), im = c.b.unary("abs", c.b.imag(x));
+    return {c.b.binary("or", c.b.compare(re, full(c.b, INFINITY, re), hlo::Compare::EQ),
+                       c.b.compare(im, full(c.b, INFINITY, im), hlo::Compare::EQ))};
+  }
   if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
   return {c.b.compare(c.b.unary("abs", x), full(c.b, INFINITY, x), hlo::Compare::EQ)};
 }
