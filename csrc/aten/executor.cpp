@@ -81,14 +81,16 @@ pjrt::BufferPtr scalar_buffer(const c10::Scalar& s, ElementType e, int device) {
     case ElementType::BF16: { at::BFloat16 v = s.toBFloat16(); std::memcpy(bytes, &v, 2); break; }
     case ElementType::F32: { float v = s.toFloat(); std::memcpy(bytes, &v, 4); break; }
     case ElementType::F64: { double v = s.toDouble(); std::memcpy(bytes, &v, 8); break; }
+    case ElementType::C64: { c10::complex<float> v = s.toComplexFloat(); std::memcpy(bytes, &v, 8); break; }
+    case ElementType::C128: return upload(at::scalar_tensor(s, at::kComplexDouble), device);  // 16 bytes
   }
   return cached_scalar_buffer(bytes, e, device);
 }
 
 // A CPU tensor operand; 0-d ones go through the scalar cache.
 pjrt::BufferPtr host_operand(const at::Tensor& t, int device) {
-  if (t.dim() != 0) return upload(t, device);
   ElementType e = element_or_throw(t.scalar_type());
+  if (t.dim() != 0 || byte_size(e) > 8) return upload(t, device);
   unsigned char bytes[8] = {0};
   std::memcpy(bytes, t.const_data_ptr(), byte_size(e));
   return cached_scalar_buffer(bytes, e, device);
@@ -110,6 +112,7 @@ struct KeyBuilder {
   // Two arguments share a storage and some offset is not in the key: whether
   // they overlap (ATen's overlap errors) must be checked on every call.
   bool shared_storage = false, runtime_offset = false;
+  bool complex = false;                            // a complex tensor or Scalar argument
 
   void num(int64_t v) {
     key += std::to_string(v);
@@ -127,6 +130,10 @@ struct KeyBuilder {
       return;
     }
     key += static_cast<char>('A' + static_cast<int>(*e));
+    complex = complex || is_complex(*e);
+    // Lazy conjugate / negative views: the value read is conj(data) / -data.
+    if (t.is_conj()) key += '*';
+    if (t.is_neg()) key += '~';
     for (int64_t s : t.sizes()) num(s);
     if (t.device().type() == kTpu) {
       if (call.device < 0) call.device = t.device().index();
@@ -193,11 +200,8 @@ struct KeyBuilder {
       }
       allow_host = was_allowed;
     } else if (is_scalar_arg(a) && !bake_scalars) {
-      key += v.isDouble() ? 'f' : v.isBool() ? 'b' : v.isInt() ? 'i' : '?';
-      if (v.isComplexDouble()) {
-        supported = false;
-        why = "a complex scalar";
-      }
+      key += v.isDouble() ? 'f' : v.isBool() ? 'b' : v.isInt() ? 'i' : v.isComplexDouble() ? 'x' : '?';
+      complex = complex || v.isComplexDouble();
     } else if (v.isInt()) {
       key += 'i';
       num(v.toInt());
@@ -461,13 +465,23 @@ class CallContext final : public lowering::Context {
     if (t.device().type() == kTpu) {
       graph::StridedView view = view_of(t, arg, item);
       Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
-      v = graph::read_view(b, flat, view);
+      v = read_through_bits(t, graph::read_view(b, flat, view));
     } else {
       v = operand_param(lowering::TensorType{element_or_throw(t.scalar_type()),
                                              lowering::Dims(t.sizes().begin(), t.sizes().end())},
                         OperandRef{OperandRef::Host, arg, item});
     }
     values_.emplace(key, v);
+    return v;
+  }
+
+  // A tensor with PyTorch's lazy conjugate or negative bit holds data whose
+  // value is conj(data) or -data. Ops that reach the device with the bit set
+  // (copy_, clone, mm: PyTorch's fallback lets them through) see the value;
+  // writing into such a tensor stores the inverse (the same function).
+  Value read_through_bits(const at::Tensor& t, Value v) {
+    if (t.is_conj()) v = b.conj(v);
+    if (t.is_neg()) v = b.unary("negate", v);
     return v;
   }
 
@@ -495,7 +509,7 @@ class CallContext final : public lowering::Context {
   }
   ElementType scalar_kind(std::string_view name) const override {
     const auto& v = arg(name);
-    return v.isDouble() ? ElementType::F64 : v.isBool() ? ElementType::Pred : ElementType::S64;
+    return v.isDouble() ? ElementType::F64 : v.isBool() ? ElementType::Pred : v.isComplexDouble() ? ElementType::C128 : ElementType::S64;
   }
   double scalar_value(std::string_view name) const override {
     if (!bake_) throw lowering::Unsupported("internal: scalar_value needs a lowering registered with bake_scalars");
@@ -852,6 +866,10 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   apply_cpu_layout_rules(call, cached->meta);
   apply_cpu_norm_stats_rules(call, cached->meta);
   cached->entry = &entry;
+  // A lowering that does not declare complex support never computes a complex
+  // result (real inputs, complex outputs: _to_copy, a factory with a dtype).
+  for (const OutputMeta& o : cached->meta.outputs)
+    if (is_complex(o.element) && !entry.complex) cached->unsupported = "no complex lowering";
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;
   size_t first_written = meta.outputs.size() - call.written.size();
@@ -900,7 +918,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
       Value flat = covers_all ? b.constant(0, view.element, {count})  // unused: folded away
                               : graph::storage_as(b, ctx.storage_param(target, cached.outputs[i].arg, cached.outputs[i].item),
                                                   view.element, count);
-      flats.push_back(graph::write_view(b, flat, r, view));
+      flats.push_back(graph::write_view(b, flat, ctx.read_through_bits(target, r), view));
     } else if (cached.outputs[i].strides.empty()) {
       flats.push_back(b.reshape(r, {r.type.element_count()}));
     } else {  // a dense layout other than row-major: the value in memory order
@@ -1213,6 +1231,10 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   }
   if (call.device < 0) call.device = current_device();
   check_host_indices(call);
+  if (kb.complex && !entry->complex) {
+    *why = "no complex lowering";
+    return false;
+  }
 
   std::shared_ptr<CachedOp> cached;
   {
@@ -1301,6 +1323,8 @@ std::optional<ElementType> element_of(at::ScalarType t) {
     case at::kBFloat16: return ElementType::BF16;
     case at::kFloat: return ElementType::F32;
     case at::kDouble: return ElementType::F64;
+    case at::kComplexFloat: return ElementType::C64;
+    case at::kComplexDouble: return ElementType::C128;
     default: return std::nullopt;
   }
 }
@@ -1320,6 +1344,8 @@ at::ScalarType scalar_type_of(ElementType e) {
     case ElementType::BF16: return at::kBFloat16;
     case ElementType::F32: return at::kFloat;
     case ElementType::F64: return at::kDouble;
+    case ElementType::C64: return at::kComplexFloat;
+    case ElementType::C128: return at::kComplexDouble;
   }
   return at::kFloat;
 }
@@ -1493,7 +1519,7 @@ at::Tensor to_host(const at::Tensor& t) {
   if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e &&
-                buffer->element_count() == t.numel();
+                buffer->element_count() == t.numel() && !t.is_conj() && !t.is_neg();  // clone applies the bits
   if (!direct) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
@@ -1518,8 +1544,9 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   }
   at::Tensor source = src;
   if (src.device().type() == kTpu && src.device() != dst.device()) source = to_host(src);
+  if (source.device().is_cpu()) source = source.resolve_conj().resolve_neg();  // host operands are raw bytes
   StorageState& st = storage_state(dst.storage());
-  bool whole = dst.is_contiguous() && dst.storage_offset() == 0 &&
+  bool whole = dst.is_contiguous() && dst.storage_offset() == 0 && !dst.is_conj() && !dst.is_neg() &&
                static_cast<size_t>(dst.numel()) * dst.element_size() == st.nbytes;
   if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
     // The common `.to("tpu")`: upload straight into the storage. A recorded

@@ -90,6 +90,9 @@ struct LoweringEntry {
   // `float` arguments passed as runtime operands (read with Context::scalar)
   // instead of keyed by value: a learning rate an LR scheduler changes.
   std::vector<std::string> runtime_floats;
+  // Handles complex inputs and results. Others never see them: the executor
+  // sends such calls to the CPU (lowerings/complex.cpp lists the ones that do).
+  bool complex = false;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -110,6 +113,7 @@ Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
+void allow_complex(Table& table, const std::string& name);  // the lowering handles complex values
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
                   std::vector<std::string> extra_writes = {}, std::vector<std::string> runtime_floats = {});
 void register_pointwise(Table&);
@@ -122,6 +126,7 @@ void register_random(Table&);
 void register_amp(Table&);
 void register_optim(Table&);
 void register_moe(Table&);
+void register_complex(Table&);  // last: marks complex-capable lowerings of the other families
 
 }  // namespace torch_pjrt::lowering
 

@@ -6,6 +6,8 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -174,6 +176,19 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
   return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
 }
 
+// Views that reinterpret a complex storage as (re, im) pairs and back. A dtype
+// XLA has no type for (complex32 of a half tensor) raises, as empty() does.
+at::Tensor view_as_real(const at::Tensor& self) {
+  at::Tensor out = at::native::view_as_real(self);
+  element_or_throw(out.scalar_type());
+  return out;
+}
+at::Tensor view_as_complex(const at::Tensor& self) {
+  at::Tensor out = at::native::view_as_complex(self);
+  element_or_throw(out.scalar_type());
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("empty.memory_format", empty_memory_format);
@@ -181,6 +196,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
+  // storage_as (strided_view.cpp) converts the flat buffer's type on read.
+  m.impl("view_as_real", view_as_real);
+  m.impl("view_as_complex", view_as_complex);
   m.impl("unfold", at::native::unfold);
   m.impl("resize_", resize_);
   m.impl("set_.source_Storage_storage_offset", set_storage);
@@ -199,6 +217,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   for (const char* name : {"convolution", "convolution_backward", "mode.values"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+}
+
+// _copy_from's schema does not mark `dst` as written, so PyTorch's conjugate
+// and negative fallbacks would hand it a materialized temporary (the copy into
+// `z.conj()` was lost). Let the bits through: copy_into reads and writes
+// through them (executor.cpp, read_through_bits).
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

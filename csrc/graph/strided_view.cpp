@@ -109,11 +109,32 @@ std::optional<Dims> dense_order(const StridedView& view) {
   return ones;
 }
 
+// A complex storage's flat value as its parts interleaved (re, im, re, ...),
+// the layout PyTorch's view_as_real sees; and back. XLA's bitcast_convert
+// does not take complex types.
+Value complex_as_parts(Builder& b, const Value& flat) {
+  int64_t n = flat.dims()[0];
+  Value re = b.reshape(b.real(flat), {n, 1}), im = b.reshape(b.imag(flat), {n, 1});
+  return b.reshape(b.concatenate({re, im}, 1), {2 * n});
+}
+Value parts_as_complex(Builder& b, const Value& parts) {
+  int64_t n = parts.dims()[0] / 2;
+  Value pairs = b.reshape(b.slice(parts, {0}, {2 * n}, {1}), {n, 2});
+  Value re = b.reshape(b.slice(pairs, {0, 0}, {n, 1}, {1, 1}), {n});
+  Value im = b.reshape(b.slice(pairs, {0, 1}, {n, 2}, {1, 1}), {n});
+  return b.complex(re, im);
+}
+
 }  // namespace
 
 Value storage_as(Builder& b, const std::optional<Value>& buffer, ElementType element, int64_t count) {
   if (!buffer) return b.constant(0, element, {count});
   Value flat = buffer->rank() == 1 ? *buffer : b.reshape(*buffer, {buffer->type.element_count()});
+  if (flat.element() != element && is_complex(flat.element())) flat = complex_as_parts(b, flat);
+  if (flat.element() != element && is_complex(element)) {
+    ElementType part = real_part_type(element);
+    return fit_length(b, parts_as_complex(b, storage_as(b, flat, part, 2 * count)), count);
+  }
   if (flat.element() != element) {
     bool same_width = byte_size(flat.element()) == byte_size(element) && flat.element() != ElementType::Pred &&
                       element != ElementType::Pred;

@@ -156,6 +156,10 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
 }
 
 Value Builder::constant(double value, ElementType type, const Dims& dims) {
+  if (is_complex(type)) {  // (value, 0) from two real constants: no complex literal syntax to get wrong
+    ElementType part = real_part_type(type);
+    return complex(constant(value, part, dims), constant(0, part, dims));
+  }
   if (!is_float(type)) {
     if (type == ElementType::Pred) return constant_bool(value != 0, dims);
     // Saturate to the type's range (+-inf: its largest and smallest value);
@@ -178,7 +182,7 @@ Value Builder::constant(double value, ElementType type, const Dims& dims) {
 }
 
 Value Builder::constant_int(int64_t value, ElementType type, const Dims& dims) {
-  if (is_float(type)) return constant(static_cast<double>(value), type, dims);
+  if (is_float(type) || is_complex(type)) return constant(static_cast<double>(value), type, dims);
   if (type == ElementType::Pred) return constant_bool(value != 0, dims);
   TensorType t{type, dims};
   std::string literal = is_unsigned(type) ? std::to_string(static_cast<uint64_t>(value)) : std::to_string(value);
@@ -194,7 +198,29 @@ Value Builder::iota(TensorType type, int64_t dimension) {
   return emit("iota", {}, "{iota_dimension = " + std::to_string(dimension) + " : i64}", type);
 }
 
-Value Builder::unary(std::string_view op, Value x) { return emit(op, {x}, "", x.type); }
+Value Builder::unary(std::string_view op, Value x) {
+  // abs of a complex value is its real magnitude.
+  if (op == "abs" && is_complex(x.element())) return emit(op, {x}, "", TensorType{real_part_type(x.element()), x.dims()});
+  return emit(op, {x}, "", x.type);
+}
+
+Value Builder::real(Value x) {
+  if (!is_complex(x.element())) return x;
+  return emit("real", {x}, "", TensorType{real_part_type(x.element()), x.dims()});
+}
+Value Builder::imag(Value x) {
+  if (!is_complex(x.element())) return constant(0, x.element(), x.dims());
+  return emit("imag", {x}, "", TensorType{real_part_type(x.element()), x.dims()});
+}
+Value Builder::complex(Value re, Value im) {
+  PJRT_CHECK(re.type == im.type && is_float(re.element()), "internal: complex parts differ: ", re.type.str(), " vs ",
+             im.type.str());
+  return emit("complex", {re, im}, "", TensorType{complex_type_of(re.element()), re.dims()});
+}
+Value Builder::conj(Value x) {
+  if (!is_complex(x.element())) return x;
+  return complex(real(x), emit("negate", {imag(x)}, "", TensorType{real_part_type(x.element()), x.dims()}));
+}
 
 Value Builder::binary(std::string_view op, Value a, Value b) {
   PJRT_CHECK(a.type == b.type, "internal: stablehlo.", op, " operands differ: ", a.type.str(), " vs ", b.type.str());
@@ -234,7 +260,31 @@ Value Builder::clamp(Value lo, Value x, Value hi) {
 
 Value Builder::convert(Value x, ElementType to) {
   if (x.element() == to) return x;
+  // XLA converts complex to real only through real(); between complex types
+  // and from real to complex part by part (the imaginary part of a real is 0).
+  if (is_complex(x.element()) && to == ElementType::Pred)  // truthiness: either part nonzero
+    return compare(x, constant(0, x.element(), x.dims()), Compare::NE);
+  if (is_complex(x.element()) && !is_complex(to)) return convert(real(x), to);
+  if (is_complex(to)) {
+    ElementType part = real_part_type(to);
+    return complex(convert(real(x), part), is_complex(x.element()) ? convert(imag(x), part) : constant(0, part, x.dims()));
+  }
   return emit("convert", {x}, "", TensorType{to, x.dims()});
+}
+
+Value Builder::fft(Value x, std::string_view type, const Dims& lengths) {
+  PJRT_CHECK(!lengths.empty() && lengths.size() <= 3 && static_cast<int64_t>(lengths.size()) <= x.rank(),
+             "internal: fft over ", lengths.size(), " dims of ", x.type.str());
+  TensorType result = x.type;
+  if (type == "RFFT") {
+    result.element = complex_type_of(x.element());
+    result.dims.back() = lengths.back() / 2 + 1;
+  } else if (type == "IRFFT") {
+    result.element = real_part_type(x.element());
+    result.dims.back() = lengths.back();
+  }
+  std::string attrs = "{fft_type = #stablehlo<fft_type " + std::string(type) + ">, fft_length = " + dims_attr(lengths) + "}";
+  return emit("fft", {x}, attrs, result);
 }
 
 Value Builder::bitcast_convert(Value x, TensorType to) { return emit("bitcast_convert", {x}, "", to); }

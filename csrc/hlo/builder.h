@@ -58,6 +58,14 @@ class Builder {
   Value max(Value a, Value b);
   Value min(Value a, Value b);
   Value clamp(Value lo, Value x, Value hi);  // min(max(x, lo), hi): NaN in any operand is the result
+  // Complex numbers: parts (real() of a real value is itself, imag() zeros),
+  // assembly from two equal real types, and the conjugate.
+  Value real(Value x);
+  Value imag(Value x);
+  Value complex(Value re, Value im);
+  Value conj(Value x);
+  // Complex to real keeps the real part, as PyTorch's casts do; to bool it is
+  // x != 0.
   Value convert(Value x, ElementType to);
   Value bitcast_convert(Value x, TensorType to);
 
@@ -111,6 +119,11 @@ class Builder {
   // Mul, Max, Min, ...); std::nullopt overwrites it.
   Value scatter(Value operand, Value indices, Value updates, const ScatterDims& dn,
                 std::optional<Reducer> combine);
+
+  // stablehlo.fft over the last lengths.size() (1 to 3) dims. `type` is FFT,
+  // IFFT (scaled by 1/n), RFFT (real in, last dim n/2+1 out) or IRFFT
+  // (the inverse of RFFT, scaled by 1/n).
+  Value fft(Value x, std::string_view type, const Dims& lengths);
 
   // Sorts along `dim`; the first operand is the key. Returns all operands sorted.
   std::vector<Value> sort(const std::vector<Value>& operands, int64_t dim, bool descending, bool stable = true);

@@ -20,6 +20,8 @@ ElementType from_pjrt(PJRT_Buffer_Type t) {
     case PJRT_Buffer_Type_BF16: return ElementType::BF16;
     case PJRT_Buffer_Type_F32: return ElementType::F32;
     case PJRT_Buffer_Type_F64: return ElementType::F64;
+    case PJRT_Buffer_Type_C64: return ElementType::C64;
+    case PJRT_Buffer_Type_C128: return ElementType::C128;
     default: fail("PJRT buffer has an element type torch_pjrt does not support (", static_cast<int>(t), ")");
   }
 }

@@ -7,18 +7,27 @@
 
 namespace torch_pjrt {
 
-enum class ElementType { Pred, S8, S16, S32, S64, U8, U16, U32, U64, F16, BF16, F32, F64 };
+enum class ElementType { Pred, S8, S16, S32, S64, U8, U16, U32, U64, F16, BF16, F32, F64, C64, C128 };
 
 constexpr size_t byte_size(ElementType t) {
   switch (t) {
     case ElementType::Pred: case ElementType::S8: case ElementType::U8: return 1;
     case ElementType::S16: case ElementType::U16: case ElementType::F16: case ElementType::BF16: return 2;
     case ElementType::S32: case ElementType::U32: case ElementType::F32: return 4;
+    case ElementType::C128: return 16;
     default: return 8;
   }
 }
 constexpr bool is_float(ElementType t) {
   return t == ElementType::F16 || t == ElementType::BF16 || t == ElementType::F32 || t == ElementType::F64;
+}
+constexpr bool is_complex(ElementType t) { return t == ElementType::C64 || t == ElementType::C128; }
+// The real type of a complex type's parts (itself for other types).
+constexpr ElementType real_part_type(ElementType t) {
+  return t == ElementType::C64 ? ElementType::F32 : t == ElementType::C128 ? ElementType::F64 : t;
+}
+constexpr ElementType complex_type_of(ElementType real) {
+  return real == ElementType::F64 ? ElementType::C128 : ElementType::C64;
 }
 constexpr bool is_unsigned(ElementType t) {
   return t == ElementType::U8 || t == ElementType::U16 || t == ElementType::U32 || t == ElementType::U64;
@@ -43,6 +52,8 @@ constexpr std::string_view mlir_name(ElementType t) {
     case ElementType::BF16: return "bf16";
     case ElementType::F32: return "f32";
     case ElementType::F64: return "f64";
+    case ElementType::C64: return "complex<f32>";
+    case ElementType::C128: return "complex<f64>";
   }
   return "?";
 }
@@ -62,6 +73,8 @@ constexpr PJRT_Buffer_Type to_pjrt(ElementType t) {
     case ElementType::BF16: return PJRT_Buffer_Type_BF16;
     case ElementType::F32: return PJRT_Buffer_Type_F32;
     case ElementType::F64: return PJRT_Buffer_Type_F64;
+    case ElementType::C64: return PJRT_Buffer_Type_C64;
+    case ElementType::C128: return PJRT_Buffer_Type_C128;
   }
   return PJRT_Buffer_Type_INVALID;
 }

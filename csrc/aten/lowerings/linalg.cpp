@@ -33,7 +33,11 @@ std::vector<Value> lower_mm(Context& c) { return {product(c, "self", "mat2", 0, 
 std::vector<Value> lower_bmm(Context& c) { return {product(c, "self", "mat2", 1, 1)}; }
 std::vector<Value> lower_mv(Context& c) { return {product(c, "self", "vec", 0, 0)}; }
 std::vector<Value> lower_dot(Context& c) { return {product(c, "self", "tensor", 0, 0)}; }
-std::vector<Value> lower_vdot(Context& c) { return {product(c, "self", "other", 0, 0)}; }  // real: no conjugate
+std::vector<Value> lower_vdot(Context& c) {  // conj(self) . other (conj is nothing for real values)
+  ElementType e = widen(c.output(0).element);
+  Value a = c.b.conj(c.b.convert(c.tensor("self"), e)), b = c.b.convert(c.tensor("other"), e);
+  return {c.b.dot_general(a, b, {}, {}, {0}, {0}, e)};
+}
 std::vector<Value> lower_addmm(Context& c) { return {scale_and_add(c, product(c, "mat1", "mat2", 0, 0))}; }
 std::vector<Value> lower_baddbmm(Context& c) { return {scale_and_add(c, product(c, "batch1", "batch2", 1, 1))}; }
 // addbmm: the batch of products summed, i.e. contracting the batch dim too.

@@ -56,6 +56,11 @@ UNARY(lgamma, "chlo.lgamma")
 std::vector<Value> lower_sign(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(o.compute)) {  // sgn: x / |x|, and 0 at 0
+    Value magnitude = c.b.convert(c.b.unary("abs", x), o.compute);
+    Value zero = full(c.b, 0, x);
+    return {c.b.select(c.b.compare(magnitude, zero, hlo::Compare::EQ), zero, c.b.binary("divide", x, magnitude))};
+  }
   if (is_unsigned(o.compute) || o.compute == ElementType::Pred)
     return {c.b.convert(c.b.compare(x, full(c.b, 0, x), hlo::Compare::NE), o.compute)};
   Value s = c.b.unary("sign", x);
@@ -66,6 +71,7 @@ std::vector<Value> lower_sign(Context& c) {
 std::vector<Value> lower_abs(Context& c) {
   Out o(c);
   if (o.compute == ElementType::Pred) throw Unsupported("abs of bool");
+  if (is_complex(c.tensor_element("self"))) return {c.b.unary("abs", c.tensor("self"))};  // a real magnitude
   Value x = in(c, o);
   return {is_unsigned(o.compute) ? x : c.b.unary("abs", x)};
 }
@@ -104,20 +110,30 @@ std::vector<Value> lower_zeta(Context& c) {
   return {c.b.binary("chlo.zeta", in(c, o), in(c, o, "other"))};
 }
 
+// x * k for a real k. A complex x scales part by part, as the CPU's
+// complex-by-real arithmetic does: (-inf + 0j) * k has imaginary part 0, not
+// the NaN of a complex product with k + 0j.
+Value times_real(Builder& b, Value x, double k) {
+  if (!is_complex(x.element())) return b.binary("multiply", x, full(b, k, x));
+  Value re = b.real(x), im = b.imag(x);
+  return b.complex(b.binary("multiply", re, full(b, k, re)), b.binary("multiply", im, full(b, k, im)));
+}
 std::vector<Value> lower_log2(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(x.element())) return {times_real(c.b, c.b.unary("log", x), 1.0 / std::log(2.0))};
   return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(2.0), x))};
 }
 std::vector<Value> lower_log10(Context& c) {
   Out o(c);
   Value x = in(c, o);
+  if (is_complex(x.element())) return {times_real(c.b, c.b.unary("log", x), 1.0 / std::log(10.0))};
   return {c.b.binary("divide", c.b.unary("log", x), full(c.b, std::log(10.0), x))};
 }
 std::vector<Value> lower_exp2(Context& c) {
   Out o(c);
   Value x = in(c, o);
-  return {c.b.unary("exponential", c.b.binary("multiply", x, full(c.b, std::log(2.0), x)))};
+  return {c.b.unary("exponential", times_real(c.b, x, std::log(2.0)))};
 }
 // round(x, decimals): scaled by 10^|decimals| as PyTorch does, ties to even.
 std::vector<Value> lower_round(Context& c) {
@@ -170,11 +186,16 @@ std::vector<Value> lower_logical_not(Context& c) {
 }
 std::vector<Value> lower_isnan(Context& c) {
   Value x = c.tensor("self");
-  if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
-  return {c.b.compare(x, x, hlo::Compare::NE)};
+  if (!is_float(x.element()) && !is_complex(x.element())) return {c.b.constant_bool(false, x.dims())};
+  return {c.b.compare(x, x, hlo::Compare::NE)};  // complex: either part NaN
 }
 std::vector<Value> lower_isinf(Context& c) {
   Value x = c.tensor("self");
+  if (is_complex(x.element())) {  // either part infinite (|x| would overflow for large finite parts)
+    Value re = c.b.unary("abs", c.b.real(x)), im = c.b.unary("abs", c.b.imag(x));
+    return {c.b.binary("or", c.b.compare(re, full(c.b, INFINITY, re), hlo::Compare::EQ),
+                       c.b.compare(im, full(c.b, INFINITY, im), hlo::Compare::EQ))};
+  }
   if (!is_float(x.element())) return {c.b.constant_bool(false, x.dims())};
   return {c.b.compare(c.b.unary("abs", x), full(c.b, INFINITY, x), hlo::Compare::EQ)};
 }

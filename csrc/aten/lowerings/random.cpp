@@ -45,6 +45,23 @@ Value standard_normal(Context& c, ElementType e, const Dims& dims) {
 
 std::vector<Value> lower_normal(Context& c) {
   const OutputMeta& o = c.output(0);
+  if (is_complex(o.element)) {
+    // As the CPU: both parts of view_as_real(self) ~ N(mean, std / sqrt(2)).
+    if (c.is_tensor("mean") || c.is_tensor("std")) throw Unsupported("complex normal with tensor mean or std");
+    ElementType e = real_part_type(o.element);
+    Dims both = o.dims;
+    both.push_back(2);
+    Value z = standard_normal(c, e, both);
+    Value std = c.b.binary("multiply", operand(c, "std", e, both), full(c.b, M_SQRT1_2, z));
+    Value parts = c.b.binary("add", operand(c, "mean", e, both), c.b.binary("multiply", z, std));
+    Dims start(both.size(), 0), limit = both, step(both.size(), 1);
+    limit.back() = 1;
+    Value re = c.b.reshape(c.b.slice(parts, start, limit, step), o.dims);
+    start.back() = 1;
+    limit.back() = 2;
+    Value im = c.b.reshape(c.b.slice(parts, start, limit, step), o.dims);
+    return {c.b.complex(re, im)};
+  }
   ElementType e = float_compute(o.element);
   Value z = standard_normal(c, e, o.dims);
   return {c.b.binary("add", operand(c, "mean", e, o.dims), c.b.binary("multiply", z, operand(c, "std", e, o.dims)))};

@@ -151,7 +151,8 @@ std::vector<Value> lower_logsumexp(Context& c) {
 std::vector<Value> lower_linalg_vector_norm(Context& c) {
   const OutputMeta& o = c.output(0);
   ElementType e = widen(o.element);
-  Value x = c.b.unary("abs", input_as(c, e));
+  Value in = c.tensor("self");  // a complex input's norm is over its magnitudes
+  Value x = is_complex(in.element()) ? c.b.convert(c.b.unary("abs", in), e) : c.b.unary("abs", c.b.convert(in, e));
   Dims dims = reduce_dims(c, "dim", x.rank());
   double ord = c.scalar_value("ord");
   Value r;

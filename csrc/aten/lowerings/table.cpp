@@ -16,6 +16,12 @@ void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bak
   table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes), std::move(runtime_floats)};
 }
 
+void allow_complex(Table& table, const std::string& name) {
+  auto it = table.entries.find(name);
+  PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
+  it->second.complex = true;
+}
+
 namespace {
 const Table& table() {
   static const Table t = [] {
@@ -30,6 +36,7 @@ const Table& table() {
     register_amp(t);
     register_optim(t);
     register_moe(t);
+    register_complex(t);
     return t;
   }();
   return t;
