@@ -118,6 +118,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_reset_metrics", &graph::reset_metrics);
   m.def("_install_location_hook", &install_python_location_hook);
+  m.def("_set_generated_code_resolver", [](py::object resolver) { set_generated_code_resolver(resolver.ptr()); });
   m.def("_inject_compile_fault", &inject_compile_fault);
   m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
     flush_pending();

@@ -19,6 +19,7 @@ from . import _C
 from ._plugins import find_plugin
 from . import device_module
 from . import _decompositions
+from . import _compile
 
 __all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops"]
@@ -40,6 +41,7 @@ def _register() -> None:
 
 
 _register()
+_compile.register()  # torch.compile(..., backend="tpu")
 
 
 def _print_from_host() -> None:
@@ -100,6 +102,8 @@ def sync() -> None:
 def _end_of_step(optimizer, args, kwargs) -> None:
     # Fused mode cuts graphs at optimizer steps: every training step is then
     # the same graph, compiled once, whatever the loop reads in between.
+    if torch.compiler.is_compiling():  # traced by Dynamo: the compiled step is one graph anyway
+        return
     if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
 
@@ -113,10 +117,14 @@ _module_calls = threading.local()  # depth of nested module calls, per thread
 
 
 def _module_enter(module, args) -> None:
+    if torch.compiler.is_compiling():  # traced by Dynamo: nothing to cut inside a compiled graph
+        return
     _module_calls.depth = getattr(_module_calls, "depth", 0) + 1
 
 
 def _module_exit(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     depth = max(getattr(_module_calls, "depth", 1) - 1, 0)
     _module_calls.depth = depth
     # A forked DataLoader worker that runs modules on the CPU must not touch

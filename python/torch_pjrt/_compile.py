@@ -1,0 +1,180 @@
+"""torch.compile(model, backend="tpu"): Dynamo graphs as single fused XLA programs.
+
+Dynamo captures a graph, AOTAutograd splits it into a forward and a backward
+ATen graph (functionalized; PyTorch's core ATen decompositions only for ops we
+have no lowering for). Each graph then runs its ATen nodes on the device in
+fused mode and the graph is cut at its end: the nodes are lowered by exactly
+the lowerings eager mode uses, and the whole graph is one XLA program, found
+again by the fused graph cache on every later call with the same shapes.
+Dynamo's guards keep a compiled graph's op sequence fixed, so a repeated call
+recompiles nothing (neither in Dynamo nor in XLA).
+
+Graph breaks run in the current mode (fused by default) between the compiled
+pieces. Dynamic shapes (dynamic=True, mark_dynamic): Dynamo keeps one graph
+whose size arguments are ints at run time; each distinct size records ops of
+that size and compiles one XLA program for it (cached in memory and on disk).
+No bucketing or padding: results are exact, the first call of each new size
+pays a compile.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+import torch
+
+from . import _C
+
+BACKEND = "tpu"
+
+
+def _base_name(op) -> str:
+    name = op._schema.name
+    if name.startswith("aten::"):
+        name = name[len("aten::"):]
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def decompositions() -> dict:
+    """Core ATen decompositions for the ops our lowerings lack (lowered ops stay whole)."""
+    from torch._decomp import core_aten_decompositions
+
+    lowered = set(_C._lowered_ops())
+    return {op: fn for op, fn in core_aten_decompositions().items()
+            if isinstance(op, torch._ops.OpOverload) and _base_name(op) not in lowered}
+
+
+def run_as_one_graph(fn, args):
+    """Runs fn(*args) recording in fused mode, then cuts the graph: one XLA program.
+
+    Work recorded before the call (eager ops of the caller) is flushed first,
+    so the program is the compiled graph alone and repeats on every call.
+    """
+    previous = _C._get_mode()
+    if previous != "fused":
+        _C._set_mode("fused")  # flushes what the previous mode recorded
+    else:
+        _C._sync()
+    try:
+        return fn(*args)
+    finally:
+        if previous != "fused":
+            _C._set_mode(previous)  # runs the graph recorded by fn
+        else:
+            _C._sync()
+
+
+def _boxed_in_one_graph(gm):
+    """A boxed callable (AOTAutograd's convention) running gm as one fused program."""
+    _note_graph_source(gm)
+
+    def run(args):
+        args = list(args)
+        # AOTAutograd's boxed convention: the callee may free its inputs.
+        return run_as_one_graph(gm, args)
+
+    run._boxed_call = True
+    return run
+
+
+def _forward_compiler(gm, example_inputs):
+    _note_graph_source(gm)
+    from functorch.compile import make_boxed_func
+
+    # The outer wrapper of tpu_backend runs the forward (and the input
+    # mutations AOTAutograd applies after it) as one graph.
+    return make_boxed_func(gm.forward)
+
+
+def _backward_compiler(gm, example_inputs):
+    return _boxed_in_one_graph(gm)
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The Dynamo backend registered as 'tpu'."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    aot = aot_autograd(fw_compiler=_forward_compiler, bw_compiler=_backward_compiler,
+                       inference_compiler=_forward_compiler, decompositions=decompositions())
+    compiled = aot(gm, example_inputs, **kwargs)
+
+    def run(*args):
+        return run_as_one_graph(compiled, args)
+
+    return run
+
+
+# ---- errors name the user's line ------------------------------------------
+# FX runs a graph as generated code (file "<eval_with_key>.N"). The source
+# location hook asks source_line() for such frames: the generated line's node
+# carries the stack trace of the user's line that Dynamo traced.
+_graph_sources = weakref.WeakValueDictionary()  # generated file name -> GraphModule
+
+
+def _note_graph_source(gm) -> None:
+    if getattr(gm, "_needs_recompile", lambda: False)():
+        gm.real_recompile()  # a lazy graph module has its generated code only now
+    code = getattr(type(gm).forward, "__code__", None)
+    if code is not None and code.co_filename.startswith("<eval_with_key>"):
+        _graph_sources[code.co_filename] = gm
+
+
+def source_line(filename: str, line: int):
+    """'file:line in function' of the user's code behind a generated FX line, or None."""
+    gm = _graph_sources.get(filename)
+    if gm is None:
+        return None
+    lineno_map = getattr(gm, "_lineno_map", None) or {}
+    prologue = getattr(gm, "_prologue_start", 0)
+    index = lineno_map.get(line - prologue)
+    if index is None:
+        return None
+    nodes = list(gm.graph.nodes)
+    if index >= len(nodes):
+        return None
+    trace = nodes[index].meta.get("stack_trace") or ""
+    frames = [l.strip() for l in trace.splitlines() if l.strip().startswith("File ")]
+    if not frames:
+        return None
+    # 'File "x.py", line 12, in forward' -> 'x.py:12 in forward'
+    parts = frames[-1].split(", ")
+    try:
+        path = parts[0][len('File "'):-1]
+        number = parts[1][len("line "):]
+        where = parts[2][len("in "):] if len(parts) > 2 else "?"
+    except IndexError:
+        return None
+    return f"{path}:{number} in {where} (compiled graph)"
+
+
+def _register_now() -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if BACKEND not in _COMPILER_FNS:
+        register_backend(name=BACKEND)(tpu_backend)
+
+
+def register() -> None:
+    """Registers the backend; importing torch._dynamo costs ~1 s, so only when it is needed.
+
+    If torch._dynamo is loaded already, now; otherwise at the first torch.compile call.
+    """
+    import sys
+
+    _C._set_generated_code_resolver(source_line)
+    if "torch._dynamo" in sys.modules:
+        _register_now()
+        return
+    original = torch.compile
+    if getattr(original, "_torch_pjrt_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def compile(*args, **kwargs):
+        _register_now()
+        return original(*args, **kwargs)
+
+    compile._torch_pjrt_wrapped = True
+    torch.compile = compile
