@@ -116,6 +116,11 @@ void register_shape(Table&);
 void register_indexing(Table&);
 void register_nn(Table&);
 void register_random(Table&);
+void register_external(Table&);  // torch_pjrt::jax_call (external.cpp)
+
+// A function torch_pjrt::jax_call may call: `definitions` (func.func ops in
+// generic form) defines `symbol`; looked up by `key`.
+void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions);
 
 }  // namespace torch_pjrt::lowering
 

@@ -21,7 +21,7 @@ from . import device_module
 from . import _decompositions
 from . import _compile
 
-__all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+__all__ = ["jax_op", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops"]
 
 MODES = ("debug", "strict", "fused", "lazy")
@@ -170,6 +170,17 @@ def metrics_report() -> str:
     else:
         lines.append("CPU fallbacks: none")
     return "\n".join(lines)
+
+
+def jax_op(name: str, fn=None):
+    """Registers a JAX function as the torch custom op `name` ("ns::op"), inlined into tpu programs.
+
+    Returns a callable on torch tensors; @torch_pjrt.jax_op("ns::op") is the decorator form.
+    Needs jax (imported only here). See _jax.py.
+    """
+    from . import _jax
+
+    return _jax.jax_op(name, fn)
 
 
 def platform() -> dict:

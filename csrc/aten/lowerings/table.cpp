@@ -27,6 +27,7 @@ const Table& table() {
     register_indexing(t);
     register_nn(t);
     register_random(t);
+    register_external(t);
     return t;
   }();
   return t;
