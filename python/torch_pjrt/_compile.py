@@ -49,14 +49,13 @@ def decompositions() -> dict:
 def run_as_one_graph(fn, args):
     """Runs fn(*args) recording in fused mode, then cuts the graph: one XLA program.
 
-    Work recorded before the call (eager ops of the caller) is flushed first,
-    so the program is the compiled graph alone and repeats on every call.
+    Eager ops the caller recorded just before (the ones backward() seeds the
+    gradient with) join the program: in a steady loop they are the same on
+    every call, and a separate program for them would cost a launch.
     """
     previous = _C._get_mode()
     if previous != "fused":
-        _C._set_mode("fused")  # flushes what the previous mode recorded
-    else:
-        _C._sync()
+        _C._set_mode("fused")  # runs what the previous mode recorded
     try:
         return fn(*args)
     finally:
