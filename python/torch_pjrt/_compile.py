@@ -19,6 +19,7 @@ pays a compile.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 import torch
 
@@ -65,38 +66,71 @@ def run_as_one_graph(fn, args):
             _C._sync()
 
 
-def _boxed_in_one_graph(gm):
-    """A boxed callable (AOTAutograd's convention) running gm as one fused program."""
-    _note_graph_source(gm)
+class _CompiledGraph:
+    """A boxed callable (AOTAutograd's convention) running one ATen graph as one program.
 
-    def run(args):
+    The first call records the graph's ops in fused mode and runs them; when
+    every input is a tpu tensor and the program's parameters and results map
+    to the graph's inputs and outputs, the extension keeps a replay plan, and
+    later calls with inputs of the same metadata execute the compiled program
+    directly: no op is dispatched, recorded or keyed (the host cost of a call
+    no longer grows with its op count). Dynamo's guards keep the op sequence
+    of a compiled graph fixed; the plan itself checks the inputs' sizes,
+    strides, dtypes, aliasing and buffer types and, if any differ, the call
+    runs op by op again.
+    """
+
+    def __init__(self, gm):
+        self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) copy it
+        _note_graph_source(gm)
+        self.gm = gm
+        self.plan = None
+        self.captures = 0
+
+    def __call__(self, args):
         args = list(args)
-        # AOTAutograd's boxed convention: the callee may free its inputs.
-        return run_as_one_graph(gm, args)
+        # Debug mode waits and checks at every op: no replay there.
+        replayable = (_REPLAY and _C._get_mode() != "debug" and
+                      all(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in args))
+        if replayable and self.plan is not None:
+            outs = _C._replay(self.plan, args)
+            if outs is not None:
+                return outs
+        previous = _C._get_mode()
+        if previous != "fused":
+            _C._set_mode("fused")
+        try:
+            if replayable:
+                _C._sync()  # the graph to capture holds this graph's ops alone
+            # forward(), not the module call: global module hooks (fused mode's
+            # end-of-inference cut, under backward's no_grad) must not cut the graph.
+            outs = self.gm.forward(*args)
+            if replayable and self.captures < 3 and all(o is None or isinstance(o, torch.Tensor) for o in outs):
+                self.captures += 1  # inputs that keep changing layout: stop trying
+                self.plan = _C._run_and_capture(args, list(outs))
+            return outs
+        finally:
+            if previous != "fused":
+                _C._set_mode(previous)
 
-    run._boxed_call = True
-    return run
+
+# TORCH_PJRT_COMPILE_REPLAY=0 runs every compiled call op by op (fused).
+_REPLAY = os.environ.get("TORCH_PJRT_COMPILE_REPLAY", "1") != "0"
 
 
-def _forward_compiler(gm, example_inputs):
-    _note_graph_source(gm)
-    from functorch.compile import make_boxed_func
-
-    # The outer wrapper of tpu_backend runs the forward (and the input
-    # mutations AOTAutograd applies after it) as one graph.
-    return make_boxed_func(gm.forward)
-
-
-def _backward_compiler(gm, example_inputs):
-    return _boxed_in_one_graph(gm)
+def _graph_compiler(gm, example_inputs):
+    return _CompiledGraph(gm)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend registered as 'tpu'."""
     from torch._dynamo.backends.common import aot_autograd
 
-    aot = aot_autograd(fw_compiler=_forward_compiler, bw_compiler=_backward_compiler,
-                       inference_compiler=_forward_compiler, decompositions=decompositions())
+    # Input mutations of inference graphs (a compiled opt.step) stay in the
+    # graph, so the parameter updates are part of its one program.
+    aot = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
+                       inference_compiler=_graph_compiler, decompositions=decompositions(),
+                       keep_inference_input_mutations=True)
     compiled = aot(gm, example_inputs, **kwargs)
 
     def run(*args):
