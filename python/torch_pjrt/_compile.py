@@ -7,12 +7,14 @@ fused mode and the graph is cut at its end: the nodes are lowered by exactly
 the lowerings eager mode uses, and the whole graph is one XLA program, found
 again by the fused graph cache on every later call with the same shapes.
 Dynamo's guards keep a compiled graph's op sequence fixed, so a repeated call
-recompiles nothing (neither in Dynamo nor in XLA).
+recompiles nothing (neither in Dynamo nor in XLA), and later calls replay the
+captured program directly without dispatching its ops (_CompiledGraph).
 
 Graph breaks run in the current mode (fused by default) between the compiled
 pieces. Dynamic shapes (dynamic=True, mark_dynamic): Dynamo keeps one graph
-whose size arguments are ints at run time; each distinct size records ops of
-that size and compiles one XLA program for it (cached in memory and on disk).
+whose size arguments are ints at run time (so it is never replayed); each
+distinct size records ops of that size and compiles one XLA program for it
+(cached in memory and on disk).
 No bucketing or padding: results are exact, the first call of each new size
 pays a compile.
 """
