@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 import torch
 
@@ -49,6 +50,13 @@ def decompositions() -> dict:
             if isinstance(op, torch._ops.OpOverload) and _base_name(op) not in lowered}
 
 
+_caller_mode = threading.local()  # the mode the user's code runs in, while a compiled call runs fused
+
+
+def user_mode() -> str:
+    return getattr(_caller_mode, "mode", None) or _C._get_mode()
+
+
 def run_as_one_graph(fn, args):
     """Runs fn(*args) recording in fused mode, then cuts the graph: one XLA program.
 
@@ -57,11 +65,14 @@ def run_as_one_graph(fn, args):
     every call, and a separate program for them would cost a launch.
     """
     previous = _C._get_mode()
+    outer = getattr(_caller_mode, "mode", None)
+    _caller_mode.mode = outer or previous
     if previous != "fused":
         _C._set_mode("fused")  # runs what the previous mode recorded
     try:
         return fn(*args)
     finally:
+        _caller_mode.mode = outer
         if previous != "fused":
             _C._set_mode(previous)  # runs the graph recorded by fn
         else:
@@ -92,7 +103,7 @@ class _CompiledGraph:
     def __call__(self, args):
         args = list(args)
         # Debug mode waits and checks at every op: no replay there.
-        replayable = (_REPLAY and _C._get_mode() != "debug" and
+        replayable = (_REPLAY and user_mode() != "debug" and
                       all(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in args))
         if replayable and self.plan is not None:
             outs = _C._replay(self.plan, args)

@@ -236,7 +236,7 @@ def test_later_calls_replay_the_program_with_new_values():
         grads = torch.autograd.grad(out, params, torch.ones_like(out))
         replays = torch_pjrt.metrics()["compiled_replays"] - before
         if step >= 1:
-            assert replays == 2  # forward and backward
+            assert replays == (0 if torch_pjrt.get_mode() == "debug" else 2)  # forward and backward
         expected = cpu(x)
         torch.testing.assert_close(out.detach().cpu(), expected.detach(), **TOL)
         expected_grads = torch.autograd.grad(expected, list(cpu.parameters()), torch.ones_like(expected))
