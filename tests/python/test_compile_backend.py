@@ -290,3 +290,20 @@ def test_compiled_optimizer_step_updates_parameters_in_place():
     assert [id(p) for p in dev.parameters()] == ids
     for p, q in zip(cpu.parameters(), dev.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), **TOL)
+
+
+def test_replay_reads_inputs_computed_by_pending_ops():
+    def f(x, w):
+        return (x @ w).relu() - x.sum()
+
+    compiled = torch.compile(f, backend="tpu")
+    w = torch.randn(5, 5)
+    w_dev = w.to(DEVICE)
+    replays = torch_pjrt.metrics()["compiled_replays"]
+    for k in range(4):
+        base = torch.randn(3, 5)
+        x_dev = base.to(DEVICE) * (k + 1)  # recorded, not yet run, when the compiled call starts
+        w_dev.add_(0.5)  # an in-place update of an input, also pending
+        w = w + 0.5
+        torch.testing.assert_close(compiled(x_dev, w_dev).cpu(), f(base * (k + 1), w), **TOL)
+    assert torch_pjrt.metrics()["compiled_replays"] - replays == (0 if torch_pjrt.get_mode() == "debug" else 3)
