@@ -49,6 +49,7 @@ struct PendingGraph {
   std::vector<RecordedOp> ops;
   std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
   std::vector<int> operand_storage;       // per operand: the storage id it is the buffer of, or -1
+  std::vector<int> operand_kind;          // per operand: its OperandRef::Kind (replay needs Scalars only)
   std::unordered_map<const pjrt::Buffer*, int> operand_of_buffer;  // non-storage operands, each buffer once
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
@@ -153,6 +154,10 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
       if (fresh) {
         g.operands.push_back(std::move(buffer));
         g.operand_storage.push_back(-1);
+        // A 0-d CPU tensor is a number in the op (a wrapped `x / 2.0`):
+        // constant for replay, as a Scalar is.
+        bool number = ref.kind == OperandRef::Host && item_tensor(call.args[ref.arg], ref.item).dim() == 0;
+        g.operand_kind.push_back(number ? OperandRef::Scalar : ref.kind);
       }
       operand_ids.push_back(it->second);
       operand_key += 'p' + std::to_string(it->second) + ',';
@@ -166,6 +171,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.inputs.inputs.emplace(&storage_state(storage), lowering::TensorType{buffer->element_type(), buffer->dims()});
     g.operands.push_back(std::move(buffer));
     g.operand_storage.push_back(id);
+    g.operand_kind.push_back(OperandRef::Storage);
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
                  std::move(operand_ids)};
@@ -347,6 +353,7 @@ void clear_graph(PendingGraph& g) {
   g.ops.clear();
   g.operands.clear();
   g.operand_storage.clear();
+  g.operand_kind.clear();
   g.operand_of_buffer.clear();
   g.storages.clear();
   g.ids.clear();
@@ -509,6 +516,267 @@ void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (is_pending(st)) run_graph(g);
   install_buffer(st, std::move(buffer));
+}
+
+}  // namespace torch_pjrt
+
+// ---- replay of a compiled (torch.compile) graph ------------------------------
+// A Dynamo/AOTAutograd graph records the same ops on every call with inputs of
+// the same metadata (Dynamo's guards fix the op sequence). Its first call is
+// recorded and run as usual; the plan then maps the program's parameters to
+// the graph's inputs and its results to the graph's outputs, so later calls
+// execute the compiled program directly, without dispatching or recording a
+// single op. Anything the plan cannot map (a random op's fresh state, a CPU
+// tensor operand, a storage that is not an input or output) means no plan.
+
+namespace torch_pjrt {
+
+namespace {
+struct TensorMeta {
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+  size_t nbytes = 0;  // of the storage
+  int storage = 0;    // inputs: index of the first input sharing the storage; outputs: see ReplayOutput
+
+  static TensorMeta of(const at::Tensor& t) {
+    return TensorMeta{t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.scalar_type(), t.storage().nbytes(), 0};
+  }
+  bool same_view(const at::Tensor& t) const {
+    return t.sizes().equals(sizes) && t.strides().equals(strides) && t.storage_offset() == offset &&
+           t.scalar_type() == dtype && t.storage().nbytes() == nbytes;
+  }
+};
+
+struct ReplayOutput {
+  enum Kind { None, New, Input } kind = None;
+  int index = 0;  // New: the live result; Input: the input whose storage it views
+  TensorMeta meta;
+};
+}  // namespace
+
+struct ReplayPlan {
+  std::shared_ptr<CompiledGraph> compiled;
+  std::vector<TensorMeta> inputs;
+  std::vector<int> operand_input;               // per program parameter: the input it reads, or -1
+  std::vector<pjrt::BufferPtr> operand_const;   // per parameter: the constant buffer (a Scalar), if no input
+  std::vector<std::pair<ElementType, std::vector<int64_t>>> operand_types;  // the program's parameter types
+  std::vector<int> live_input;                  // per live result: the input storage it overwrites, or -1
+  std::vector<size_t> live_nbytes;              // per live result: the new storage's size
+  std::vector<ReplayOutput> outputs;
+  std::map<int, int> donated;                   // parameter -> result, as compiled
+  std::vector<graph::SourceLocation> locations;  // per op, for runtime check messages
+};
+
+namespace {
+bool device_tensor(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
+
+// Inputs' metadata and which of them share a storage.
+std::vector<TensorMeta> input_metas(const std::vector<at::Tensor>& inputs) {
+  std::vector<TensorMeta> metas;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TensorMeta m = TensorMeta::of(inputs[i]);
+    m.storage = static_cast<int>(i);
+    for (size_t j = 0; j < i; ++j)
+      if (inputs[j].storage().is_alias_of(inputs[i].storage())) {
+        m.storage = static_cast<int>(j);
+        break;
+      }
+    metas.push_back(std::move(m));
+  }
+  return metas;
+}
+
+// The plan for the pending graph, built before it runs; null if it cannot replay.
+std::string g_replay_refusal;  // why the latest capture made no plan (under the graph's lock)
+
+std::shared_ptr<ReplayPlan> refuse(const std::string& why) {
+  g_replay_refusal = why;
+  return nullptr;
+}
+
+std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::Tensor>& inputs,
+                                        const std::vector<std::optional<at::Tensor>>& outputs,
+                                        const std::vector<int>& live) {
+  g_replay_refusal.clear();
+  auto plan = std::make_shared<ReplayPlan>();
+  for (const at::Tensor& t : inputs)
+    if (!device_tensor(t)) return refuse("an input is not a tpu tensor");
+  plan->inputs = input_metas(inputs);
+  auto input_of_storage = [&](const StorageState* st) {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (&storage_state(inputs[i].storage()) == st) return static_cast<int>(i);
+    return -1;
+  };
+  for (size_t k = 0; k < g.operands.size(); ++k) {
+    if (!g.operands[k]) return refuse("an input storage was never written");  // a storage never written (reads as zeros)
+    plan->operand_types.emplace_back(g.operands[k]->element_type(), g.operands[k]->dims());
+    if (g.operand_kind[k] == OperandRef::Storage) {
+      int input = input_of_storage(&storage_state(g.storages[g.operand_storage[k]]));
+      if (input < 0) return refuse("the graph reads a storage that is not an input (a tensor made outside the graph)");  // a storage from outside the inputs (a module attribute)
+      plan->operand_input.push_back(input);
+      plan->operand_const.emplace_back();
+    } else if (g.operand_kind[k] == OperandRef::Scalar) {
+      plan->operand_input.push_back(-1);  // cached per value: the same buffer every call
+      plan->operand_const.push_back(g.operands[k]);
+    } else {
+      return refuse(g.operand_kind[k] == OperandRef::Rng ? "a random op (fresh state per call)" : "a CPU tensor operand");  // a random state (fresh per call) or a CPU tensor (its value may change)
+    }
+  }
+  std::unordered_map<const StorageState*, int> live_of;
+  for (size_t k = 0; k < live.size(); ++k) {
+    const c10::Storage& storage = g.storages[live[k]];
+    live_of.emplace(&storage_state(storage), static_cast<int>(k));
+    plan->live_input.push_back(input_of_storage(&storage_state(storage)));
+    plan->live_nbytes.push_back(storage.nbytes());
+  }
+  for (const auto& out : outputs) {
+    ReplayOutput r;
+    if (out && out->defined()) {
+      if (!device_tensor(*out)) return refuse("an output is not a tpu tensor");
+      const StorageState* st = &storage_state(out->storage());
+      r.meta = TensorMeta::of(*out);
+      auto it = live_of.find(st);
+      int input = input_of_storage(st);
+      if (it != live_of.end() && plan->live_input[it->second] < 0) {
+        r.kind = ReplayOutput::New;
+        r.index = it->second;
+      } else if (input >= 0) {
+        r.kind = ReplayOutput::Input;  // an input or a view of one (updated in place if live)
+        r.index = input;
+      } else {
+        return refuse("an output is neither computed by the graph nor an input");  // written by an earlier graph: nothing to map it to
+      }
+    }
+    plan->outputs.push_back(std::move(r));
+  }
+  // Every live result must reach the caller as an output or an input's new value.
+  for (size_t k = 0; k < live.size(); ++k) {
+    if (plan->live_input[k] >= 0) continue;
+    bool returned = false;
+    for (const ReplayOutput& r : plan->outputs) returned |= r.kind == ReplayOutput::New && r.index == static_cast<int>(k);
+    if (!returned) return refuse("the graph writes a storage that is neither an output nor an input");
+  }
+  for (const RecordedOp& op : g.ops) plan->locations.push_back(op.location);
+  return plan;
+}
+
+std::vector<int> live_storages(const PendingGraph& g, std::string* key) {
+  std::vector<int> live;
+  for (size_t id = 0; id < g.storages.size(); ++id) {
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
+      live.push_back(static_cast<int>(id));
+      *key += std::to_string(id) + ",";
+    }
+  }
+  return live;
+}
+}  // namespace
+
+std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& inputs,
+                                            const std::vector<std::optional<at::Tensor>>& outputs) {
+  check_not_forked();
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.ops.empty()) return nullptr;
+  // The key run_graph() gives this graph (same live set and donations).
+  std::string key = g.key + "|live:";
+  std::vector<int> live = live_storages(g, &key);
+  std::map<int, int> donated = donations(g, live);
+  key += "|donate:";
+  for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
+  std::shared_ptr<ReplayPlan> plan = plan_replay(g, inputs, outputs, live);
+  run_graph(g);
+  if (!plan) return nullptr;
+  g_replay_refusal = "the program is not in the graph cache";
+  std::lock_guard<std::mutex> cache_lock(g_graph_cache_mutex);
+  auto it = g_graph_cache.find(key);
+  if (it == g_graph_cache.end()) return nullptr;
+  plan->compiled = it->second;
+  plan->donated = std::move(donated);
+  g_replay_refusal.clear();
+  return plan;
+}
+
+std::string replay_refusal() {
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  return g_replay_refusal;
+}
+
+std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& plan,
+                                                             const std::vector<at::Tensor>& inputs) {
+  check_not_forked();
+  if (inputs.size() != plan.inputs.size()) return std::nullopt;
+  for (const at::Tensor& t : inputs)
+    if (!device_tensor(t)) return std::nullopt;
+  std::vector<TensorMeta> metas = input_metas(inputs);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (!plan.inputs[i].same_view(inputs[i]) || metas[i].storage != plan.inputs[i].storage) return std::nullopt;
+  PendingGraph& g = pending_graph();
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  run_graph(g);  // the inputs' values, and the order of work before this call
+  std::vector<pjrt::BufferPtr> operands;
+  {
+    std::lock_guard<std::mutex> storages(storage_mutex());
+    for (size_t k = 0; k < plan.operand_input.size(); ++k) {
+      if (plan.operand_input[k] < 0) {
+        operands.push_back(plan.operand_const[k]);
+        continue;
+      }
+      const StorageState& st = storage_state(inputs[plan.operand_input[k]].storage());
+      if (!st.buffer || st.lost) return std::nullopt;  // no value: the recorded path raises or reads zeros
+      // A storage's buffer may change type (a resize, a write through another dtype).
+      if (st.buffer->element_type() != plan.operand_types[k].first || st.buffer->dims() != plan.operand_types[k].second)
+        return std::nullopt;
+      operands.push_back(st.buffer);
+    }
+    // A donated input must have no owner besides its storage and this list.
+    for (auto [operand, output] : plan.donated) {
+      const pjrt::BufferPtr& b = operands[operand];
+      long in_list = 0;
+      for (const auto& other : operands) in_list += other == b;
+      if (b.use_count() != in_list + 1) return std::nullopt;
+    }
+  }
+  std::vector<pjrt::Buffer*> raw;
+  for (const auto& b : operands) raw.push_back(b.get());
+  auto result = plan.compiled->exe->execute(raw);
+  size_t live_count = plan.live_input.size();
+  std::vector<c10::Storage> fresh(live_count);
+  for (size_t k = 0; k < live_count; ++k) {
+    if (plan.live_input[k] >= 0) {
+      install_buffer(storage_state(inputs[plan.live_input[k]].storage()), result.outputs[k]);
+    } else {
+      at::Tensor holder = at::empty({static_cast<int64_t>(plan.live_nbytes[k])},
+                                    at::TensorOptions().dtype(at::kByte).device(kTpu, inputs.empty() ? 0 : inputs[0].get_device()));
+      fresh[k] = holder.storage();
+      install_buffer(storage_state(fresh[k]), result.outputs[k]);
+    }
+  }
+  if (plan.compiled->checks) {
+    std::vector<graph::SourceLocation> locations;
+    for (size_t k : plan.compiled->checked_ops) locations.push_back(plan.locations[k]);
+    defer_checks(result.outputs[live_count], plan.compiled->checks, std::move(locations));
+  }
+  ++metrics().executions;
+  ++metrics().graphs;
+  ++metrics().graph_cache_hits;
+  ++metrics().compiled_replays;
+  track(std::move(result.done));
+  static const c10::DispatchKeySet keys = at::empty({0}, at::TensorOptions().device(kTpu)).key_set();
+  std::vector<std::optional<at::Tensor>> outs;
+  for (const ReplayOutput& r : plan.outputs) {
+    if (r.kind == ReplayOutput::None) {
+      outs.emplace_back();
+      continue;
+    }
+    c10::Storage storage = r.kind == ReplayOutput::New ? fresh[r.index] : inputs[r.index].storage();
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(r.meta.dtype));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(r.meta.sizes, r.meta.strides, r.meta.offset);
+    outs.push_back(std::move(t));
+  }
+  return outs;
 }
 
 }  // namespace torch_pjrt

@@ -1,6 +1,8 @@
 // Fused and lazy modes: ops recorded into one XLA graph per flush.
 #pragma once
 #include <memory>
+#include <optional>
+#include <vector>
 #include <string>
 
 #include "aten/op_call.h"
@@ -12,5 +14,19 @@ namespace torch_pjrt {
 // storage's type since the signature was taken: the caller plans again.
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
             const std::string& op_key);
+
+// torch.compile graphs (see fused_graph.cpp, "replay"). After a compiled
+// graph's ops were recorded (nothing else since the last cut): runs the graph
+// and returns a plan that runs its program again on new inputs, or null.
+struct ReplayPlan;
+std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& inputs,
+                                            const std::vector<std::optional<at::Tensor>>& outputs);
+// The graph's outputs computed from `inputs` by the plan's program alone;
+// nullopt when the inputs differ from the captured ones (metadata, aliasing,
+// buffer types) so the caller runs the graph op by op instead.
+std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& plan,
+                                                             const std::vector<at::Tensor>& inputs);
+// Why the latest run_and_capture() made no plan ("" if it made one).
+std::string replay_refusal();
 
 }  // namespace torch_pjrt

@@ -127,6 +127,11 @@ void register_amp(Table&);
 void register_optim(Table&);
 void register_moe(Table&);
 void register_complex(Table&);  // last: marks complex-capable lowerings of the other families
+void register_external(Table&);  // torch_pjrt::jax_call (external.cpp)
+
+// A function torch_pjrt::jax_call may call: `definitions` (func.func ops in
+// generic form) defines `symbol`; looked up by `key`.
+void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions);
 
 }  // namespace torch_pjrt::lowering
 

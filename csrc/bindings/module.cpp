@@ -2,11 +2,13 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
 #include <map>
 
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/fused_graph.h"
 #include "aten/lowering.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
@@ -15,6 +17,12 @@
 
 namespace py = pybind11;
 using namespace torch_pjrt;
+
+namespace {
+struct ReplayHandle {  // opaque to Python: a compiled graph's replay plan
+  std::shared_ptr<ReplayPlan> plan;
+};
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   // Local to this module: a global translator would also catch the c10
@@ -67,6 +75,16 @@ PYBIND11_MODULE(_C, m) {
     return "strict";
   });
   m.def("_sync", &flush_pending, release_gil());
+  py::class_<ReplayHandle>(m, "_ReplayPlan");
+  m.def("_run_and_capture", [](const std::vector<at::Tensor>& inputs,
+                               const std::vector<std::optional<at::Tensor>>& outputs) -> std::optional<ReplayHandle> {
+    auto plan = run_and_capture(inputs, outputs);
+    if (!plan) return std::nullopt;
+    return ReplayHandle{std::move(plan)};
+  }, release_gil());
+  m.def("_replay", [](const ReplayHandle& h, const std::vector<at::Tensor>& inputs) { return replay(*h.plan, inputs); },
+        release_gil());
+  m.def("_replay_refusal", &replay_refusal, release_gil());
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -89,6 +107,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_max_memory_allocated", &max_memory_allocated);
   m.def("_reset_peak_memory", &reset_peak_memory);
   m.def("_lowered_ops", &lowering::lowered_op_names);
+  m.def("_register_external_function", &lowering::register_external_function);
   m.def("_metrics", [] {
     const graph::Metrics s = graph::metrics_snapshot();
     py::dict d;
@@ -108,6 +127,7 @@ PYBIND11_MODULE(_C, m) {
     d["fused_ops"] = s.fused_ops.get();
     d["graphs"] = s.graphs.get();
     d["graph_cache_hits"] = s.graph_cache_hits.get();
+    d["compiled_replays"] = s.compiled_replays.get();
     d["donated_buffers"] = s.donated_buffers.get();
     d["donated_bytes"] = s.donated_bytes.get();
     d["check_status_reads"] = s.check_status_reads.get();
@@ -127,6 +147,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_reset_metrics", &graph::reset_metrics);
   m.def("_install_location_hook", &install_python_location_hook);
+  m.def("_set_generated_code_resolver", [](py::object resolver) { set_generated_code_resolver(resolver.ptr()); });
   m.def("_inject_compile_fault", &inject_compile_fault);
   m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
     flush_pending();

@@ -23,6 +23,9 @@ struct LocationTable {
   std::unordered_map<PyCodeObject*, bool> is_library;  // owns a reference to each code object
   std::map<std::pair<PyCodeObject*, int>, graph::SourceLocation> ids;
   std::vector<std::string> texts;  // id - 1 -> "file:line in function", made once per id
+  // Names the user's line behind a line of FX-generated code (a compiled
+  // graph's "<eval_with_key>" file): callable(file, line) -> str or None.
+  PyObject* generated_code_resolver = nullptr;
 };
 
 LocationTable& table() {
@@ -56,29 +59,69 @@ std::string text_of(PyCodeObject* code, int line) {
   return std::string(file ? file : "?") + ":" + std::to_string(line) + " in " + (name ? name : "?");
 }
 
-graph::SourceLocation capture_with_gil() {
-  LocationTable& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
-  if (!frame) return 0;
-  Py_INCREF(frame);
-  graph::SourceLocation id = 0;
-  while (frame) {
-    PyCodeObject* code = PyFrame_GetCode(frame);
-    bool library = library_code(t, code);
-    if (!library) {
-      auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
-      auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
-      if (fresh) t.texts.push_back(text_of(code, key.second));
-      id = it->second;
-    }
-    Py_DECREF(code);
-    if (!library) break;
-    PyFrameObject* back = PyFrame_GetBack(frame);
-    Py_DECREF(frame);
-    frame = back;
+bool generated_code(PyCodeObject* code) {
+  const char* file = PyUnicode_AsUTF8(code->co_filename);
+  if (!file) PyErr_Clear();
+  return file && std::string(file).rfind("<eval_with_key>", 0) == 0;
+}
+
+// The resolver's text for a generated line; empty when it has none. Called
+// without the table's lock: the resolver runs Python, which may switch threads.
+std::string resolve_generated(PyObject* resolver, PyCodeObject* code, int line) {
+  PyObject* result = PyObject_CallFunction(resolver, "Oi", code->co_filename, line);
+  std::string text;
+  if (result && PyUnicode_Check(result)) {
+    const char* s = PyUnicode_AsUTF8(result);
+    if (s) text = s;
   }
-  Py_XDECREF(frame);
+  Py_XDECREF(result);
+  PyErr_Clear();
+  return text;
+}
+
+graph::SourceLocation capture_with_gil() {
+  PyCodeObject* generated = nullptr;  // a fresh id on generated code: ask the resolver
+  int generated_line = 0;
+  PyObject* resolver = nullptr;
+  graph::SourceLocation id = 0;
+  {
+    LocationTable& t = table();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+    if (!frame) return 0;
+    Py_INCREF(frame);
+    while (frame) {
+      PyCodeObject* code = PyFrame_GetCode(frame);
+      bool library = library_code(t, code);
+      if (!library) {
+        auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
+        auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
+        if (fresh) t.texts.push_back(text_of(code, key.second));
+        id = it->second;
+        if (fresh && t.generated_code_resolver && generated_code(code)) {
+          generated = code;  // kept alive by is_library's reference
+          generated_line = key.second;
+          resolver = t.generated_code_resolver;
+          Py_INCREF(resolver);
+        }
+      }
+      Py_DECREF(code);
+      if (!library) break;
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      Py_DECREF(frame);
+      frame = back;
+    }
+    Py_XDECREF(frame);
+  }
+  if (generated) {
+    std::string text = resolve_generated(resolver, generated, generated_line);
+    Py_DECREF(resolver);
+    if (!text.empty()) {
+      LocationTable& t = table();
+      std::lock_guard<std::mutex> lock(t.mutex);
+      t.texts[id - 1] = text;
+    }
+  }
   return id;
 }
 
@@ -108,6 +151,13 @@ void install_python_location_hook(std::vector<std::string> library_dirs) {
     table().library_dirs = std::move(library_dirs);
   }
   graph::set_source_location_hooks({&capture, &describe});
+}
+
+void set_generated_code_resolver(PyObject* resolver) {
+  Py_XINCREF(resolver);
+  std::lock_guard<std::mutex> lock(table().mutex);
+  std::swap(table().generated_code_resolver, resolver);
+  Py_XDECREF(resolver);  // the previous one; under the GIL, as our caller holds it
 }
 
 }  // namespace torch_pjrt

@@ -299,6 +299,13 @@ Value Builder::custom_call(const std::string& target, const std::vector<Value>& 
   return emit("custom_call", operands, "{call_target_name = \"" + target + "\"}", std::move(result));
 }
 
+std::vector<Value> Builder::call(const std::string& symbol, const std::string& definitions,
+                                 const std::vector<Value>& operands, const std::vector<TensorType>& results) {
+  PJRT_CHECK(!results.empty(), "internal: a called function must return a value: @", symbol);
+  functions_.emplace(symbol, definitions);
+  return emit_multi("func.call", operands, "{callee = @" + symbol + "}", results, "");
+}
+
 Value Builder::reshape(Value x, const Dims& dims) {
   if (x.dims() == dims) return x;
   return emit("reshape", {x}, "", TensorType{x.element(), dims});
@@ -669,8 +676,9 @@ std::string Builder::finish(const std::vector<Value>& results, const std::map<in
     text += (i ? ", " : "") + results[i].name;
     types += (i ? ", " : "") + results[i].type.str();
   }
-  text += ") : (" + types + ") -> ()\n  }\n}\n";
-  return text;
+  text += ") : (" + types + ") -> ()\n  }\n";
+  for (const auto& [symbol, definitions] : functions_) text += definitions + "\n";
+  return text + "}\n";
 }
 
 }  // namespace torch_pjrt::hlo

@@ -134,6 +134,13 @@ class Builder {
   // A call to a function the plugin registered under `target` (custom kernels).
   Value custom_call(const std::string& target, const std::vector<Value>& operands, TensorType result);
 
+  // A call to a function defined outside the builder (a JAX kernel's module):
+  // `definitions` is the text of one or more func.func ops in generic form,
+  // every symbol already unique to them (the caller renames), added to the
+  // module once per `symbol`. Returns the callee's results.
+  std::vector<Value> call(const std::string& symbol, const std::string& definitions, const std::vector<Value>& operands,
+                          const std::vector<TensorType>& results);
+
   // Closes @main returning `results`; returns the module text.
   // `aliases` maps a parameter index to the result that may reuse its buffer
   // (a donated input: an in-place update that does not double memory).
@@ -152,6 +159,7 @@ class Builder {
   int next_id_ = 0;
   std::vector<TensorType> params_;
   std::string body_;
+  std::map<std::string, std::string> functions_;  // symbol -> definitions, emitted after @main
 };
 
 std::string dims_attr(const Dims& dims);  // array<i64: 1, 2>

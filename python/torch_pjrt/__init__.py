@@ -30,8 +30,9 @@ from ._plugins import find_plugin
 from . import device_module
 from . import _decompositions
 from . import _data_dependent
+from . import _compile
 
-__all__ = ["set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+__all__ = ["jax_op", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops", "explain"]
 
 MODES = ("debug", "strict", "fused", "lazy")
@@ -52,6 +53,7 @@ def _register() -> None:
 
 
 _register()
+_compile.register()  # torch.compile(..., backend="tpu")
 
 
 def _print_from_host() -> None:
@@ -112,6 +114,8 @@ def sync() -> None:
 def _end_of_step(optimizer, args, kwargs) -> None:
     # Fused mode cuts graphs at optimizer steps: every training step is then
     # the same graph, compiled once, whatever the loop reads in between.
+    if torch.compiler.is_compiling():  # traced by Dynamo: the compiled step is one graph anyway
+        return
     if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
 
@@ -125,10 +129,14 @@ _module_calls = threading.local()  # depth of nested module calls, per thread
 
 
 def _module_enter(module, args) -> None:
+    if torch.compiler.is_compiling():  # traced by Dynamo: nothing to cut inside a compiled graph
+        return
     _module_calls.depth = getattr(_module_calls, "depth", 0) + 1
 
 
 def _module_exit(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     depth = max(getattr(_module_calls, "depth", 1) - 1, 0)
     _module_calls.depth = depth
     # A forked DataLoader worker that runs modules on the CPU must not touch
@@ -174,6 +182,17 @@ def metrics_report() -> str:
     else:
         lines.append("CPU fallbacks: none")
     return "\n".join(lines)
+
+
+def jax_op(name: str, fn=None):
+    """Registers a JAX function as the torch custom op `name` ("ns::op"), inlined into tpu programs.
+
+    Returns a callable on torch tensors; @torch_pjrt.jax_op("ns::op") is the decorator form.
+    Needs jax (imported only here). See _jax.py.
+    """
+    from . import _jax
+
+    return _jax.jax_op(name, fn)
 
 
 def platform() -> dict:
