@@ -72,7 +72,20 @@ def vit():
     return model, {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.tensor([1, 2])}
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}
+def wav2vec2():
+    # Speech: a conv feature encoder, group norm, and a weight-normed positional
+    # conv (_weight_norm_interface and its backward). No random time masking.
+    config = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2),
+                                         conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+                                         num_conv_pos_embedding_groups=2, num_labels=3, mask_time_prob=0.0,
+                                         hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                         feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0)
+    model = transformers.Wav2Vec2ForSequenceClassification(config)
+    return model, {"input_values": torch.randn(BATCH, 400), "labels": torch.tensor([0, 2])}
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit, "wav2vec2": wav2vec2}
 
 
 def _fallback_counts():
@@ -118,6 +131,30 @@ def test_training_matches_cpu(name, mode):
     assert tpu_state.keys() == cpu_state.keys()
     for key in cpu_state:
         torch.testing.assert_close(tpu_state[key], cpu_state[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim", [((6, 3, 5), 2), ((6, 3, 5), 0), ((7, 4), 1), ((5,), 0)])
+def test_weight_norm_interface_backward_matches_cpu(shape, dim, dtype):
+    v = torch.randn(shape, dtype=dtype)
+    g = torch.rand([n if i == dim else 1 for i, n in enumerate(shape)], dtype=dtype) + 0.5
+    grad_w = torch.randn(shape, dtype=dtype)
+    _, norms = torch._weight_norm_interface(v, g, dim)
+    before = _fallback_counts()
+    expected = torch.ops.aten._weight_norm_interface_backward(grad_w, v, g, norms, dim)
+    actual = torch.ops.aten._weight_norm_interface_backward(
+        *(t.to("tpu") for t in (grad_w, v, g, norms)), dim)
+    assert _new_fallbacks(before) == {}
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    for e, a in zip(expected, actual):
+        assert a.device.type == "tpu"
+        torch.testing.assert_close(a.cpu(), e, **tol)
+
+
+def test_weight_norm_interface_backward_rejects_a_middle_dim():
+    args = [torch.randn(3, 4, 5, device="tpu") for _ in range(4)]
+    with pytest.raises(RuntimeError, match="first or last dim"):
+        torch.ops.aten._weight_norm_interface_backward(*args, 1)
 
 
 class _LMData(torch.utils.data.Dataset):
