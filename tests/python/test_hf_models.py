@@ -178,7 +178,8 @@ def _trainer_run(model, data, tmp_path, use_cpu):
     return args, losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def test_trainer_runs_on_tpu(tmp_path):
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_trainer_runs_on_tpu(tmp_path, mode):
     pytest.importorskip("accelerate")
     torch.manual_seed(0)
     cpu_model, _ = gpt2()
@@ -187,7 +188,10 @@ def test_trainer_runs_on_tpu(tmp_path):
     _, cpu_losses, cpu_state = _trainer_run(cpu_model, data, tmp_path / "cpu", use_cpu=True)
     before = _fallback_counts()
     # The user's code is what a CUDA user writes: no device argument at all.
-    args, tpu_losses, tpu_state = _trainer_run(tpu_model, data, tmp_path / "tpu", use_cpu=False)
+    # TrainingArguments asks accelerate's PartialState, which asks
+    # torch.accelerator.current_accelerator(): the registered tpu backend.
+    with torch_pjrt.mode(mode):
+        args, tpu_losses, tpu_state = _trainer_run(tpu_model, data, tmp_path / "tpu", use_cpu=False)
     assert args.device.type == "tpu"
     assert next(tpu_model.parameters()).device.type == "tpu"
     assert len(tpu_losses) == 3
