@@ -105,13 +105,18 @@ def _train(model, batch, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     batch = {k: v.to(device) for k, v in batch.items()}
     losses = []
-    for _ in range(STEPS):
+    compiles = 0
+    for step in range(STEPS):
+        if step == 2:  # step 1 creates Adam's state, step 2 the steady-state program
+            compiles = torch_pjrt.metrics()["compiles"]
         opt.zero_grad()
         loss = model(**batch).loss
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    return torch.stack(losses).cpu(), {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    compiles = torch_pjrt.metrics()["compiles"] - compiles
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return torch.stack(losses).cpu(), state, compiles
 
 
 @pytest.mark.parametrize("mode", ["fused", "strict"])
@@ -120,11 +125,12 @@ def test_training_matches_cpu(name, mode):
     torch.manual_seed(0)
     cpu_model, batch = MODELS[name]()
     tpu_model = copy.deepcopy(cpu_model)  # identical initial weights
-    cpu_losses, cpu_state = _train(cpu_model, batch, "cpu")
+    cpu_losses, cpu_state, _ = _train(cpu_model, batch, "cpu")
     before = _fallback_counts()
     with torch_pjrt.mode(mode):
-        tpu_losses, tpu_state = _train(tpu_model, batch, "tpu")
+        tpu_losses, tpu_state, late_compiles = _train(tpu_model, batch, "tpu")
     assert _new_fallbacks(before) == {}, str(torch_pjrt.explain())
+    assert late_compiles == 0, str(torch_pjrt.explain())  # steps 3-5 reuse step 2's programs
     assert tpu_losses.isfinite().all()
     assert (cpu_losses[-1] < cpu_losses[0]).item()  # it trains at all
     torch.testing.assert_close(tpu_losses, cpu_losses, rtol=1e-5, atol=1e-5)
