@@ -172,7 +172,26 @@ def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_cor
     return g.to(grad_output.dtype)
 
 
-_PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward}
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # PyTorch has no decomposition for it (wav2vec2/HuBERT's positional conv,
+    # nn.utils.weight_norm). w = g * v / |v|, norms over every dim but `dim`:
+    # grad_g = sum(grad_w * v) / |v|, grad_v = g / |v| * (grad_w - v * grad_g / |v|),
+    # as ATen's _weight_norm_differentiable_backward; half types in float32 as the CPU kernel.
+    for name, t in (("saved_v", saved_v), ("saved_g", saved_g), ("saved_norm", saved_norms)):
+        torch._check(t.is_contiguous(), lambda: f"{name} must be contiguous")
+    torch._check(dim == 0 or dim == saved_v.dim() - 1, lambda: "Expected dim to be the first or last dimension")
+    compute = torch.float32 if saved_v.dtype in (torch.float16, torch.bfloat16) else saved_v.dtype
+    v, g, norms, gw = (t.to(compute) for t in (saved_v, saved_g, saved_norms, grad_w))
+    reduce = [d for d in range(v.dim()) if d != dim]
+    sums = (gw * v).sum(reduce, keepdim=True) if reduce else gw * v
+    norms, g = norms.reshape(sums.shape), g.reshape(sums.shape)
+    grad_g = sums / norms
+    grad_v = (g / norms) * (gw - v * (grad_g / norms))
+    return grad_v.to(saved_v.dtype), grad_g.reshape(saved_g.shape).to(saved_g.dtype)
+
+
+_PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward,
+                "_weight_norm_interface_backward": _weight_norm_interface_backward}
 
 _META = {"_thnn_fused_lstm_cell": _lstm_cell_meta, "_thnn_fused_gru_cell": _gru_cell_meta,
          "_thnn_fused_gru_cell_backward": _gru_cell_backward_meta}
