@@ -616,8 +616,10 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       if (input < 0) return refuse("the graph reads a storage that is not an input (a tensor made outside the graph)");  // a storage from outside the inputs (a module attribute)
       plan->operand_input.push_back(input);
       plan->operand_const.emplace_back();
-    } else if (g.operand_kind[k] == OperandRef::Scalar) {
-      plan->operand_input.push_back(-1);  // cached per value: the same buffer every call
+    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset) {
+      // Cached per value: the same buffer every call. A storage offset inside
+      // the graph follows from the inputs' metadata, which replay checks.
+      plan->operand_input.push_back(-1);
       plan->operand_const.push_back(g.operands[k]);
     } else {
       return refuse(g.operand_kind[k] == OperandRef::Rng ? "a random op (fresh state per call)" : "a CPU tensor operand");  // a random state (fresh per call) or a CPU tensor (its value may change)

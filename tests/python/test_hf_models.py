@@ -201,10 +201,8 @@ def test_trainer_runs_on_tpu(tmp_path, mode):
     assert args.device.type == "tpu"
     assert next(tpu_model.parameters()).device.type == "tpu"
     assert len(tpu_losses) == 3
-    # Trainer's default optimizer is AdamW(fused=True): `_fused_adamw_` is being
-    # lowered on another branch; until it lands it is the one allowed fallback.
+    # Trainer's default optimizer is AdamW(fused=True): `_fused_adamw_` is lowered too.
     fallbacks = _new_fallbacks(before)
-    fallbacks.pop("aten::_fused_adamw_", None)
     assert fallbacks == {}, str(torch_pjrt.explain())
     torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses), rtol=1e-5, atol=1e-5)
     for key in cpu_state:
