@@ -1,5 +1,7 @@
 // Allocator, device guard, hooks and generators for PrivateUse1 (`tpu`).
 #include "aten/device.h"
+#include "aten/device_context.h"
+#include "aten/executor.h"
 #include "pjrt/error.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -15,6 +17,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -200,7 +204,61 @@ struct TpuAllocator final : c10::DeviceAllocator {
 TpuAllocator g_allocator;
 REGISTER_ALLOCATOR(kTpu, &g_allocator);
 
-// ---- Device guard: one synchronous stream per device; PJRT orders work.
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A torch Event: the programs in flight on its device when it was recorded
+// (the pending fused graph runs first, so recorded ops count). It is done when
+// they are; its time is when the last of them finished (the plugin's
+// completion callback stamps each), or the record time if none was running.
+struct TpuEvent {
+  int device = -1;
+  bool timing = false;
+  int64_t recorded_ns = 0;
+  std::vector<std::shared_ptr<Work>> work;
+
+  void record(int index, bool with_timing) {
+    flush_pending(index);
+    device = index;
+    timing = with_timing;
+    work = in_flight_work(index);
+    recorded_ns = now_ns();
+  }
+  bool query() const {
+    for (const auto& w : work)
+      if (!w->done->is_ready()) return false;
+    return true;
+  }
+  void synchronize() const {
+    for (const auto& w : work) {
+      try {
+        w->done->wait();
+      } catch (const pjrt::Error& e) {
+        TORCH_CHECK(false, "a tpu program before this event failed: ", e.what());
+      }
+    }
+  }
+  // When the event completed; waits for it (and for the completion callbacks,
+  // which the plugin may run just after waking waiters).
+  int64_t completed_ns() const {
+    synchronize();
+    int64_t t = recorded_ns;
+    for (const auto& w : work) {
+      while (w->finished_ns->load() == 0) std::this_thread::yield();
+      t = std::max(t, w->finished_ns->load());
+    }
+    return t;
+  }
+  static double elapsed_ms(const TpuEvent& start, const TpuEvent& end) {
+    TORCH_CHECK(start.device >= 0 && end.device >= 0, "elapsed_time: both events must be recorded first");
+    TORCH_CHECK(start.timing && end.timing, "elapsed_time: both events must be created with enable_timing=True");
+    return static_cast<double>(end.completed_ns() - start.completed_ns()) / 1e6;
+  }
+};
+
+// ---- Device guard: one stream per device; PJRT orders work.
 struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kTpu; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -222,13 +280,46 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
       return 0;
     }
   }
-  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  // Events and streams: one stream per device (PJRT orders work by its data
+  // dependencies). An event is the device's in-flight programs when it was
+  // recorded, after running the pending fused graph (see TpuEvent).
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device,
+              const c10::EventFlag flag) const override {
+    int index = device < 0 ? (stream.device_index() < 0 ? current_device() : stream.device_index()) : device;
+    if (!*event) *event = new TpuEvent();
+    static_cast<TpuEvent*>(*event)->record(index, flag == c10::EventFlag::BACKEND_DEFAULT);
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    // Same device: its work is ordered by data already. Another device: its
+    // data reaches this one through the host, but wait so the order holds.
+    auto* e = static_cast<TpuEvent*>(event);
+    if (e && e->device != stream.device_index()) e->synchronize();
+  }
+  bool queryEvent(void* event) const override { return !event || static_cast<TpuEvent*>(event)->query(); }
+  void synchronizeEvent(void* event) const override {
+    if (event) static_cast<TpuEvent*>(event)->synchronize();
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK(start && end, "elapsed_time: both events must be recorded first");
+    return TpuEvent::elapsed_ms(*static_cast<TpuEvent*>(start), *static_cast<TpuEvent*>(end));
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { delete static_cast<TpuEvent*>(event); }
+  bool queryStream(const c10::Stream& stream) const override {
+    int index = stream.device_index() < 0 ? current_device() : stream.device_index();
+    flush_pending(index);
+    for (const auto& work : in_flight_work(index))
+      if (!work->done->is_ready()) return false;
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    synchronize(stream.device_index() < 0 ? current_device() : stream.device_index());
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override {
+    synchronize(device < 0 ? current_device() : device);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuard);
 
@@ -276,10 +367,6 @@ struct TpuGenerator final : c10::GeneratorImpl {
   uint64_t offset_ = 0;
 };
 
-std::vector<at::Generator>& generators() {
-  static std::vector<at::Generator> gens;
-  return gens;
-}
 
 void free_pinned(void* ptr) {
   {
@@ -507,14 +594,66 @@ int64_t max_memory_allocated(int device) {
 }
 void reset_peak_memory(int device) { g_allocator.resetPeakStats(static_cast<c10::DeviceIndex>(device)); }
 
-const at::Generator& default_generator(int device) {
-  auto& gens = generators();
-  if (gens.empty()) {
-    for (int i = 0; i < device_count(); ++i)
-      gens.push_back(at::make_generator<TpuGenerator>(static_cast<c10::DeviceIndex>(i)));
+const at::Generator& default_generator(int device) { return device_context(device).generator; }
+
+DeviceContext::DeviceContext(int i)
+    : index(i),
+      graph(make_pending_graph()),
+      generator(at::make_generator<TpuGenerator>(static_cast<c10::DeviceIndex>(i))) {}
+
+namespace {
+// Made once the runtime knows its devices; never destroyed (see runtime()).
+const std::vector<DeviceContext*>& contexts() {
+  static const std::vector<DeviceContext*>& all = *[] {
+    auto* v = new std::vector<DeviceContext*>();
+    for (int i = 0; i < device_count(); ++i) v->push_back(new DeviceContext(i));
+    return v;
+  }();
+  return all;
+}
+}  // namespace
+
+DeviceContext& device_context(int index) {
+  const auto& all = contexts();
+  if (index < 0 || static_cast<size_t>(index) >= all.size()) check_device_index(index);  // raises
+  return *all[index];
+}
+
+std::vector<DeviceContext*> started_device_contexts() {
+  if (!runtime_started() || in_bad_fork()) return {};
+  return contexts();
+}
+
+void track(int device, std::unique_ptr<pjrt::Event> done) {
+  if (!done) return;
+  if (mode() == Mode::Debug) {
+    done->wait();
+    return;
   }
-  check_device_index(device);
-  return gens[device];
+  auto work = std::make_shared<Work>();
+  work->done = std::move(done);
+  // The callback touches only the stamp: it may run on a plugin thread.
+  work->done->on_ready([finished = work->finished_ns] { finished->store(now_ns()); });
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.work_mutex);
+  while (!ctx.in_flight.empty() && ctx.in_flight.front()->done->is_ready()) {
+    auto ready = std::move(ctx.in_flight.front());
+    ctx.in_flight.pop_front();
+    ready->done->wait();  // surfaces a failure of an earlier async program
+  }
+  ctx.in_flight.push_back(std::move(work));
+}
+
+std::vector<std::shared_ptr<Work>> in_flight_work(int device) {
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.work_mutex);
+  return {ctx.in_flight.begin(), ctx.in_flight.end()};
+}
+
+std::deque<std::shared_ptr<Work>> take_in_flight(int device) {
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.work_mutex);
+  return std::exchange(ctx.in_flight, {});
 }
 
 RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint64_t count) {

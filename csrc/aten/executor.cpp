@@ -18,6 +18,7 @@
 #include "aten/device.h"
 #include "aten/fused_graph.h"
 #include "aten/op_call.h"
+#include "aten/device_context.h"
 #include "aten/profiling.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
@@ -31,10 +32,6 @@ using graph::metrics;
 
 namespace {
 
-// ---- pending work ---------------------------------------------------------
-
-std::mutex g_pending_mutex;
-std::deque<std::unique_ptr<pjrt::Event>> g_pending;
 // `as_storage`: a storage's whole buffer, kept 1-D like every storage buffer
 // (a program's storage parameter type then follows from the op signature).
 pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = false) {
@@ -1030,20 +1027,17 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       st.lost.reset();
     }
   }
-  if (cached.checks) defer_checks(result.outputs.back(), cached.checks, {graph::capture_source_location()});
+  if (cached.checks) defer_checks(call.device, result.outputs.back(), cached.checks, {graph::capture_source_location()});
   ++metrics().executions;
   graph::count_lowered_op(op_name(call.schema));
   if (profile.active() && result.done) result.done->wait();
-  track(std::move(result.done));
-  if (mode() == Mode::Debug) raise_failed_checks();  // debug waited for the program: raise at the op
+  track(call.device, std::move(result.done));
+  if (mode() == Mode::Debug) raise_failed_checks(call.device);  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
   return true;
 }
 
-std::mutex g_cache_mutex;
-// Never destroyed: no PJRT call may run during static destruction at exit.
-std::unordered_map<std::string, std::shared_ptr<CachedOp>>& g_op_cache = *new std::unordered_map<std::string, std::shared_ptr<CachedOp>>();
 // A call reaches the device only with a tpu tensor in it; a CPU tensor it
 // would write (out=) is the user's device mix-up, as on CUDA. (PyTorch's CPU
 // fallback would instead fail copying its result back.)
@@ -1236,11 +1230,12 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     return false;
   }
 
+  DeviceContext& ctx = device_context(call.device);  // plans hold programs compiled for this device
   std::shared_ptr<CachedOp> cached;
   {
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
-    auto it = g_op_cache.find(kb.key);
-    if (it != g_op_cache.end()) cached = it->second;
+    std::lock_guard<std::mutex> lock(ctx.op_cache_mutex);
+    auto it = ctx.op_cache.find(kb.key);
+    if (it != ctx.op_cache.end()) cached = it->second;
   }
   if (cached) {
     ++metrics().op_cache_hits;
@@ -1259,8 +1254,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       *why = "its meta kernel rejects these arguments";
       return false;
     }
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
-    g_op_cache.emplace(kb.key, cached);
+    std::lock_guard<std::mutex> lock(ctx.op_cache_mutex);
+    ctx.op_cache.emplace(kb.key, cached);
   }
   if (!cached->unsupported.empty()) {
     *why = cached->unsupported;
@@ -1275,7 +1270,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   // The user's line for a recompile note: taken before the lock, as it takes the GIL.
   graph::SourceLocation location = !fused && !cached->exe ? graph::capture_source_location() : 0;
   try {
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    std::lock_guard<std::mutex> lock(ctx.op_cache_mutex);
     if (fused && !cached->operands_known) learn_operands(call, *cached);
     if (!fused && !cached->exe) compile_alone(call, *cached, location);
   } catch (const lowering::Unsupported& e) {
@@ -1354,20 +1349,6 @@ ElementType element_or_throw(at::ScalarType t) {
   auto e = element_of(t);
   TORCH_CHECK(e, "tpu tensors do not support dtype ", t);
   return *e;
-}
-void track(std::unique_ptr<pjrt::Event> done) {
-  if (!done) return;
-  if (mode() == Mode::Debug) {
-    done->wait();
-    return;
-  }
-  std::lock_guard<std::mutex> lock(g_pending_mutex);
-  while (!g_pending.empty() && g_pending.front()->is_ready()) {
-    auto ready = std::move(g_pending.front());
-    g_pending.pop_front();
-    ready->wait();  // surfaces a failure of an earlier async program
-  }
-  g_pending.push_back(std::move(done));
 }
 // What a storage holds for a program: its buffer's type, the type a recorded
 // graph will give it (pending), or nothing (never written: zeros).
@@ -1512,7 +1493,7 @@ at::Tensor to_host(const at::Tensor& t) {
   check_not_forked();
   const StorageState& st = storage_state(t.storage());
   pjrt::BufferPtr buffer = readable_buffer(st);  // our reference: other threads may install new ones
-  raise_failed_checks();  // reading waits anyway: failed index/division checks surface here
+  raise_failed_checks(st.device);  // reading waits anyway: failed index/division checks surface here
   at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
   check_has_value(st);
@@ -1566,21 +1547,23 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(ok, "copy to the tpu device is not supported: ", why);
 }
 
+void synchronize(int device) {
+  check_not_forked();
+  flush_pending(device);
+  wait_host_transfers();  // after this, the sources of non_blocking copies may change
+  std::deque<std::shared_ptr<Work>> pending = take_in_flight(device);
+  try {
+    for (auto& work : pending) work->done->wait();
+  } catch (const pjrt::Error& e) {
+    TORCH_CHECK(false, "a tpu program on tpu:", device, " failed: ", e.what());
+  }
+  raise_failed_checks(device);
+}
+
 void synchronize() {
   check_not_forked();
-  flush_pending();
-  wait_host_transfers();  // after this, the sources of non_blocking copies may change
-  std::deque<std::unique_ptr<pjrt::Event>> pending;
-  {
-    std::lock_guard<std::mutex> lock(g_pending_mutex);
-    pending.swap(g_pending);
-  }
-  try {
-    for (auto& e : pending) e->wait();
-  } catch (const pjrt::Error& e) {
-    TORCH_CHECK(false, "a tpu program failed: ", e.what());
-  }
-  raise_failed_checks();
+  for (DeviceContext* ctx : started_device_contexts()) synchronize(ctx->index);
+  wait_host_transfers();
 }
 
 }  // namespace torch_pjrt

@@ -24,8 +24,10 @@ void note_cpu_fallback(const std::string& name, const std::string& why);
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
 // A dense CPU copy of a tpu tensor (waits for the device).
 at::Tensor to_host(const at::Tensor& tensor);
-// Fused and lazy modes: runs the recorded graph now (asynchronously).
+// Fused and lazy modes: runs the recorded graphs of every device (or of
+// `device`) now (asynchronously).
 void flush_pending();
+void flush_pending(int device);
 // The storage's buffer for a reader, after the recorded graph if it writes
 // the storage. Taken under the graph's lock, so no graph donates it between
 // the flush and the reference (a referenced buffer is never donated).
@@ -33,8 +35,10 @@ pjrt::BufferPtr readable_buffer(const StorageState& st);
 // Gives the storage a whole new value, after the recorded graph if it writes
 // the storage (under the graph's lock: no op records in between).
 void install_after_graph(StorageState& st, pjrt::BufferPtr buffer);
-// Runs any recorded graph, then waits for all work enqueued so far.
+// Runs any recorded graph, then waits for all work enqueued so far on every
+// device (or on `device`) and for non_blocking uploads; raises failed checks.
 void synchronize();
+void synchronize(int device);
 
 // Test hook: op `name` ("aten::tanh"), when lowered into a fused graph, calls a
 // kernel no plugin has, so the graph fails to compile. "" turns it off.

@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <mutex>
 
+#include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/profiling.h"
 #include "graph/metrics.h"
@@ -30,6 +31,8 @@ namespace torch_pjrt {
 namespace {
 
 using graph::metrics;
+
+}  // namespace
 
 struct RecordedOp {
   c10::OperatorHandle op;
@@ -43,6 +46,7 @@ struct RecordedOp {
   std::vector<int> operand_ids;                   // graph operand index of each non-storage operand
 };
 
+// One device's graph being recorded (its DeviceContext owns it).
 struct PendingGraph {
   std::recursive_mutex mutex;
   int device = -1;
@@ -59,10 +63,7 @@ struct PendingGraph {
   std::string key;
 };
 
-PendingGraph& pending_graph() {
-  static PendingGraph* g = new PendingGraph();  // never destroyed: outlives static storages
-  return *g;
-}
+std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
 
 struct CompiledGraph {
   pjrt::ExecutablePtr exe;
@@ -71,10 +72,10 @@ struct CompiledGraph {
   CheckInfos checks;
   std::vector<size_t> checked_ops;  // graph op index per CheckInfo::op
 };
-std::mutex g_graph_cache_mutex;
-// Never destroyed: no PJRT call may run during static destruction at exit.
-std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& g_graph_cache =
-    *new std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>();
+
+namespace {
+
+PendingGraph& pending_graph(int device) { return *device_context(device).graph; }
 
 int storage_id(PendingGraph& g, const c10::Storage& storage) {
   const StorageState* st = &storage_state(storage);
@@ -133,13 +134,12 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   // Before the graph's lock: the capture takes the GIL, and a Python thread
   // holding the GIL may be waiting for that lock.
   graph::SourceLocation location = graph::capture_source_location();
-  PendingGraph& g = pending_graph();
+  PendingGraph& g = pending_graph(call.device);  // each device records its own graph
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   {
     std::lock_guard<std::mutex> storages(storage_mutex());
     if (!storages_as_keyed(call)) return false;  // another thread wrote a storage first: plan again
   }
-  if (g.device >= 0 && g.device != call.device) run_graph(g);
   g.device = call.device;
   // Operands in the order the op's lowering asks for them (see emit()).
   // A buffer that is not a storage (a cached Scalar) is one operand however
@@ -434,12 +434,13 @@ void run_graph(PendingGraph& g) {
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
   size_t op_count = g.ops.size();
+  DeviceContext& ctx = device_context(g.device);
   try {
     std::shared_ptr<CompiledGraph> compiled;
     {
-      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
-      auto it = g_graph_cache.find(key);
-      if (it != g_graph_cache.end()) compiled = it->second;
+      std::lock_guard<std::mutex> lock(ctx.graph_cache_mutex);
+      auto it = ctx.graph_cache.find(key);
+      if (it != ctx.graph_cache.end()) compiled = it->second;
     }
     if (compiled) {
       ++metrics().graph_cache_hits;
@@ -447,8 +448,8 @@ void run_graph(PendingGraph& g) {
       explain_recompile(g);
       ProfileScope profile([&] { return graph_profile(g, "compile"); });
       compiled = compile_graph(g, live, donated);
-      std::lock_guard<std::mutex> lock(g_graph_cache_mutex);
-      g_graph_cache.emplace(std::move(key), compiled);
+      std::lock_guard<std::mutex> lock(ctx.graph_cache_mutex);
+      ctx.graph_cache.emplace(std::move(key), compiled);
     }
     std::vector<pjrt::Buffer*> buffers;
     for (const auto& b : g.operands) buffers.push_back(b.get());
@@ -466,7 +467,7 @@ void run_graph(PendingGraph& g) {
     if (compiled->checks) {
       std::vector<graph::SourceLocation> locations;
       for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
-      defer_checks(result.outputs[live.size()], compiled->checks, std::move(locations));
+      defer_checks(g.device, result.outputs[live.size()], compiled->checks, std::move(locations));
     }
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
@@ -474,8 +475,9 @@ void run_graph(PendingGraph& g) {
     }
     ++metrics().executions;
     ++metrics().graphs;
+    int device = g.device;
     clear_graph(g);
-    track(std::move(result.done));
+    track(device, std::move(result.done));
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
@@ -490,11 +492,16 @@ void run_graph(PendingGraph& g) {
 
 }  // namespace
 
-void flush_pending() {
+void flush_pending(int device) {
   check_not_forked();  // before the lock: a thread of the parent may have held it at the fork
-  PendingGraph& g = pending_graph();
+  PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);
+}
+
+void flush_pending() {
+  check_not_forked();
+  for (DeviceContext* ctx : started_device_contexts()) flush_pending(ctx->index);
 }
 
 namespace {
@@ -505,14 +512,14 @@ bool is_pending(const StorageState& st) {
 }  // namespace
 
 pjrt::BufferPtr readable_buffer(const StorageState& st) {
-  PendingGraph& g = pending_graph();
+  PendingGraph& g = pending_graph(st.device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (is_pending(st)) run_graph(g);
   return buffer_of(st);
 }
 
 void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
-  PendingGraph& g = pending_graph();
+  PendingGraph& g = pending_graph(st.device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (is_pending(st)) run_graph(g);
   install_buffer(st, std::move(buffer));
@@ -570,6 +577,12 @@ struct ReplayPlan {
 
 namespace {
 bool device_tensor(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
+// The device whose graph a compiled graph's inputs belong to (the current one if none is on tpu).
+int graph_device(const std::vector<at::Tensor>& inputs) {
+  for (const at::Tensor& t : inputs)
+    if (device_tensor(t)) return t.get_device();
+  return current_device();
+}
 
 // Inputs' metadata and which of them share a storage.
 std::vector<TensorMeta> input_metas(const std::vector<at::Tensor>& inputs) {
@@ -588,7 +601,7 @@ std::vector<TensorMeta> input_metas(const std::vector<at::Tensor>& inputs) {
 }
 
 // The plan for the pending graph, built before it runs; null if it cannot replay.
-std::string g_replay_refusal;  // why the latest capture made no plan (under the graph's lock)
+thread_local std::string g_replay_refusal;  // why this thread's latest capture made no plan
 
 std::shared_ptr<ReplayPlan> refuse(const std::string& why) {
   g_replay_refusal = why;
@@ -678,7 +691,7 @@ std::vector<int> live_storages(const PendingGraph& g, std::string* key) {
 std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& inputs,
                                             const std::vector<std::optional<at::Tensor>>& outputs) {
   check_not_forked();
-  PendingGraph& g = pending_graph();
+  PendingGraph& g = pending_graph(graph_device(inputs));
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (g.ops.empty()) return nullptr;
   // The key run_graph() gives this graph (same live set and donations).
@@ -691,20 +704,17 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
   run_graph(g);
   if (!plan) return nullptr;
   g_replay_refusal = "the program is not in the graph cache";
-  std::lock_guard<std::mutex> cache_lock(g_graph_cache_mutex);
-  auto it = g_graph_cache.find(key);
-  if (it == g_graph_cache.end()) return nullptr;
+  DeviceContext& ctx = device_context(graph_device(inputs));
+  std::lock_guard<std::mutex> cache_lock(ctx.graph_cache_mutex);
+  auto it = ctx.graph_cache.find(key);
+  if (it == ctx.graph_cache.end()) return nullptr;
   plan->compiled = it->second;
   plan->donated = std::move(donated);
   g_replay_refusal.clear();
   return plan;
 }
 
-std::string replay_refusal() {
-  PendingGraph& g = pending_graph();
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  return g_replay_refusal;
-}
+std::string replay_refusal() { return g_replay_refusal; }
 
 std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& plan,
                                                              const std::vector<at::Tensor>& inputs) {
@@ -715,7 +725,8 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   std::vector<TensorMeta> metas = input_metas(inputs);
   for (size_t i = 0; i < inputs.size(); ++i)
     if (!plan.inputs[i].same_view(inputs[i]) || metas[i].storage != plan.inputs[i].storage) return std::nullopt;
-  PendingGraph& g = pending_graph();
+  int device = graph_device(inputs);
+  PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);  // the inputs' values, and the order of work before this call
   std::vector<pjrt::BufferPtr> operands;
@@ -751,7 +762,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
       install_buffer(storage_state(inputs[plan.live_input[k]].storage()), result.outputs[k]);
     } else {
       at::Tensor holder = at::empty({static_cast<int64_t>(plan.live_nbytes[k])},
-                                    at::TensorOptions().dtype(at::kByte).device(kTpu, inputs.empty() ? 0 : inputs[0].get_device()));
+                                    at::TensorOptions().dtype(at::kByte).device(kTpu, device));
       fresh[k] = holder.storage();
       install_buffer(storage_state(fresh[k]), result.outputs[k]);
     }
@@ -759,13 +770,13 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   if (plan.compiled->checks) {
     std::vector<graph::SourceLocation> locations;
     for (size_t k : plan.compiled->checked_ops) locations.push_back(plan.locations[k]);
-    defer_checks(result.outputs[live_count], plan.compiled->checks, std::move(locations));
+    defer_checks(device, result.outputs[live_count], plan.compiled->checks, std::move(locations));
   }
   ++metrics().executions;
   ++metrics().graphs;
   ++metrics().graph_cache_hits;
   ++metrics().compiled_replays;
-  track(std::move(result.done));
+  track(device, std::move(result.done));
   static const c10::DispatchKeySet keys = at::empty({0}, at::TensorOptions().device(kTpu)).key_set();
   std::vector<std::optional<at::Tensor>> outs;
   for (const ReplayOutput& r : plan.outputs) {

@@ -2,23 +2,16 @@
 
 #include <c10/util/Exception.h>
 
+#include <iterator>
 #include <mutex>
 
+#include "aten/device_context.h"
 #include "graph/metrics.h"
 #include "pjrt/error.h"
 
 namespace torch_pjrt {
 namespace {
 
-struct PendingStatus {
-  pjrt::BufferPtr status;
-  CheckInfos checks;
-  std::vector<graph::SourceLocation> locations;
-};
-
-std::mutex g_mutex;
-// Never destroyed: no PJRT call may run during static destruction at exit.
-std::vector<PendingStatus>& g_pending = *new std::vector<PendingStatus>();
 // A loop that never waits still reads its statuses now and then, so they do
 // not pile up; by then their programs have long finished.
 constexpr size_t kMaxPending = 1024;
@@ -36,23 +29,26 @@ void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::R
   for (const auto& c : checks) into.push_back(CheckInfo{c.error, c.message, op, checked_op});
 }
 
-void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations) {
+void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations) {
+  DeviceContext& ctx = device_context(device);
   bool full;
   {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    g_pending.push_back(PendingStatus{std::move(status), std::move(checks), std::move(locations)});
-    full = g_pending.size() >= kMaxPending;
+    std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+    ctx.check_statuses.push_back(PendingStatus{std::move(status), std::move(checks), std::move(locations)});
+    full = ctx.check_statuses.size() >= kMaxPending;
   }
-  if (full) raise_failed_checks();
+  if (full) raise_failed_checks(device);
 }
 
-void raise_failed_checks() {
+void raise_failed_checks(int device) {
   std::vector<PendingStatus> pending;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_pending.empty()) return;
-    pending.swap(g_pending);
+  for (DeviceContext* ctx : started_device_contexts()) {
+    if (device >= 0 && ctx->index != device) continue;
+    std::lock_guard<std::mutex> lock(ctx->checks_mutex);
+    std::move(ctx->check_statuses.begin(), ctx->check_statuses.end(), std::back_inserter(pending));
+    ctx->check_statuses.clear();
   }
+  if (pending.empty()) return;
   const PendingStatus* failed = nullptr;
   int64_t first[2] = {-1, 0};
   for (const PendingStatus& p : pending) {

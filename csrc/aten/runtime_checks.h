@@ -30,13 +30,21 @@ using CheckInfos = std::shared_ptr<const std::vector<CheckInfo>>;
 void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::RuntimeCheck>& checks,
                      const std::string& op, size_t checked_op);
 
-// Keeps a program's status until the next wait, with the user's line of each
-// of its ops with checks (indexed by CheckInfo::checked_op).
-void defer_checks(pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations);
+// A program's status not yet read, kept in its device's context.
+struct PendingStatus {
+  pjrt::BufferPtr status;
+  CheckInfos checks;
+  std::vector<graph::SourceLocation> locations;
+};
 
-// At a host wait: reads every pending status (their programs ran before this
-// wait) and raises the first failure as the CPU would (IndexError or
-// RuntimeError). The pending list is empty afterwards either way.
-void raise_failed_checks();
+// Keeps a program's status until the next wait on `device`, with the user's
+// line of each of its ops with checks (indexed by CheckInfo::checked_op).
+void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations);
+
+// At a host wait: reads every pending status of `device` (-1: of every
+// device; their programs ran before this wait) and raises the first failure
+// as the CPU would (IndexError or RuntimeError). Those pending lists are
+// empty afterwards either way.
+void raise_failed_checks(int device = -1);
 
 }  // namespace torch_pjrt

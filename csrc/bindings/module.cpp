@@ -49,7 +49,9 @@ PYBIND11_MODULE(_C, m) {
   // Waiting for the device or a graph never holds the GIL: threads recording
   // ops take it to note their source line.
   using release_gil = py::call_guard<py::gil_scoped_release>;
-  m.def("_synchronize", &synchronize, release_gil());
+  // -1: every device (torch_pjrt.sync's and the test harness's meaning).
+  m.def("_synchronize", [](int device) { device < 0 ? synchronize() : synchronize(device); }, py::arg("device") = -1,
+        release_gil());
   m.def("_platform", [] {
     auto& c = client();
     return py::dict(py::arg("name") = c.platform_name(), py::arg("version") = c.platform_version(),
@@ -74,7 +76,7 @@ PYBIND11_MODULE(_C, m) {
     }
     return "strict";
   });
-  m.def("_sync", &flush_pending, release_gil());
+  m.def("_sync", [] { flush_pending(); }, release_gil());
   py::class_<ReplayHandle>(m, "_ReplayPlan");
   m.def("_run_and_capture", [](const std::vector<at::Tensor>& inputs,
                                const std::vector<std::optional<at::Tensor>>& outputs) -> std::optional<ReplayHandle> {

@@ -51,6 +51,32 @@ bool Event::is_ready() const {
   return args.is_ready;
 }
 
+namespace {
+struct ReadyCallback {
+  std::shared_ptr<Plugin> plugin;
+  std::function<void()> callback;
+};
+void run_ready_callback(PJRT_Error* error, void* arg) {
+  std::unique_ptr<ReadyCallback> ready(static_cast<ReadyCallback*>(arg));
+  if (error) {  // the waiter sees the error through wait(); only free it here
+    auto args = PJRT_ARGS(PJRT_Error_Destroy_Args);
+    args.error = error;
+    ready->plugin->api()->PJRT_Error_Destroy(&args);
+  }
+  ready->callback();
+}
+}  // namespace
+
+void Event::on_ready(std::function<void()> callback) {
+  auto args = PJRT_ARGS(PJRT_Event_OnReady_Args);
+  args.event = event_;
+  args.callback = &run_ready_callback;
+  args.user_arg = new ReadyCallback{plugin_, std::move(callback)};
+  PJRT_Error* error = plugin_->api()->PJRT_Event_OnReady(&args);
+  if (error) delete static_cast<ReadyCallback*>(args.user_arg);
+  plugin_->check(error, "PJRT_Event_OnReady");
+}
+
 Buffer::Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer) : plugin_(std::move(plugin)), buffer_(buffer) {
   const PJRT_Api* api = plugin_->api();
   auto type = PJRT_ARGS(PJRT_Buffer_ElementType_Args);

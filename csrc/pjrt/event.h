@@ -1,5 +1,6 @@
 // A PJRT completion event (owned).
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "pjrt/plugin.h"
@@ -16,6 +17,9 @@ class Event {
   // Blocks until the event fires; throws the plugin's error if it failed.
   void wait();
   bool is_ready() const;
+  // Calls `callback` (on a plugin thread, or at once) when the event fires,
+  // failed or not. The callback must not call into PJRT or take the GIL.
+  void on_ready(std::function<void()> callback);
 
  private:
   std::shared_ptr<Plugin> plugin_;

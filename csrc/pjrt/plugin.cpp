@@ -35,6 +35,7 @@ const std::vector<ApiFunction>& functions_we_call() {
       TORCH_PJRT_API_FUNCTION(PJRT_Plugin_Initialize),
       TORCH_PJRT_API_FUNCTION(PJRT_Event_Destroy),
       TORCH_PJRT_API_FUNCTION(PJRT_Event_IsReady),
+      TORCH_PJRT_API_FUNCTION(PJRT_Event_OnReady),
       TORCH_PJRT_API_FUNCTION(PJRT_Event_Error),
       TORCH_PJRT_API_FUNCTION(PJRT_Event_Await),
       TORCH_PJRT_API_FUNCTION(PJRT_Client_Create),

@@ -1,0 +1,67 @@
+// One runtime context per device: everything whose meaning depends on the
+// device lives here, not in process globals, so any number of devices work
+// in one process, each with its own fused graph, from one thread or several.
+#pragma once
+#include <ATen/core/Generator.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "aten/runtime_checks.h"
+#include "pjrt/event.h"
+
+namespace torch_pjrt {
+
+struct CachedOp;       // op_call.h
+struct PendingGraph;   // fused_graph.cpp
+struct CompiledGraph;  // fused_graph.cpp
+
+// One program enqueued on the device, until it is known to be done. The
+// plugin's completion callback stamps when it finished (Event timing).
+struct Work {
+  std::unique_ptr<pjrt::Event> done;
+  // 0: not yet. Shared with the callback, which may outlive this Work.
+  std::shared_ptr<std::atomic<int64_t>> finished_ns = std::make_shared<std::atomic<int64_t>>(0);
+};
+
+struct DeviceContext {
+  explicit DeviceContext(int index);
+  const int index;
+  // Op plans: a plan holds an executable compiled for this device, so the
+  // signature key alone is unambiguous inside one context.
+  std::mutex op_cache_mutex;
+  std::unordered_map<std::string, std::shared_ptr<CachedOp>> op_cache;
+  // Fused/lazy modes: the graph being recorded and the compiled graphs.
+  std::shared_ptr<PendingGraph> graph;
+  std::mutex graph_cache_mutex;
+  std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> graph_cache;
+  // The default generator (torch.tpu.manual_seed(seed) for this device).
+  at::Generator generator;
+  // Programs enqueued and not yet seen done (synchronize and events wait on them).
+  std::mutex work_mutex;
+  std::deque<std::shared_ptr<Work>> in_flight;
+  // Runtime check statuses not yet read (runtime_checks.cpp).
+  std::mutex checks_mutex;
+  std::vector<PendingStatus> check_statuses;
+};
+
+// The context of device `index` (checked). Contexts live as long as the process.
+DeviceContext& device_context(int index);
+// Every device's context; empty while the runtime has not started.
+std::vector<DeviceContext*> started_device_contexts();
+// Made by fused_graph.cpp (where PendingGraph is complete).
+std::shared_ptr<PendingGraph> make_pending_graph();
+
+// Keeps a program's completion event in its device's in-flight list.
+void track(int device, std::unique_ptr<pjrt::Event> done);
+// The device's in-flight work now (an Event's snapshot).
+std::vector<std::shared_ptr<Work>> in_flight_work(int device);
+// Empties the device's in-flight list and returns it (synchronize waits on it).
+std::deque<std::shared_ptr<Work>> take_in_flight(int device);
+
+}  // namespace torch_pjrt
