@@ -7,7 +7,6 @@ device's single queue and an Event records a point on it.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
@@ -74,8 +73,10 @@ def device(device):
 
 
 def synchronize(device=None) -> None:
-    """Waits for every tpu program enqueued so far; raises if one failed."""
-    _C._synchronize()
+    """Runs the device's pending fused graph and waits for every program
+    enqueued on it so far (device None: the current device, as torch.cuda);
+    raises if one failed or a runtime check did."""
+    _C._synchronize(_index(device))
 
 
 def get_device_name(device=None) -> str:
@@ -186,61 +187,55 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
-# ---- Streams and events over the device's single queue.
-class Stream:
-    def __init__(self, device=None, priority: int = 0, **kwargs):
-        self.device = torch.device("tpu", _index(device))
-        self.priority = priority
+# ---- Streams and events: torch.Stream / torch.Event for the tpu device. The
+# device guard (device.cpp) backs them with PJRT completion events. One stream
+# per device: PJRT orders a device's programs by their data, so every Stream
+# object of a device is that device's single stream.
+class Stream(torch.Stream):
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
 
-    def synchronize(self) -> None:
-        synchronize()
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        pass
 
     def wait_stream(self, stream) -> None:
-        """One queue per device: work is already ordered."""
+        self.wait_event(stream.record_event())
 
     def wait_event(self, event) -> None:
-        """One queue per device: work is already ordered."""
-
-    def query(self) -> bool:
-        synchronize()
-        return True
+        event.wait(self)
 
     def record_event(self, event=None):
         event = event or Event()
         event.record(self)
         return event
 
-    def __eq__(self, other):
-        return isinstance(other, Stream) and other.device == self.device
-
-    def __hash__(self):
-        return hash(self.device)
-
 
 class Event:
-    def __init__(self, enable_timing: bool = False, **kwargs):
-        self.enable_timing = enable_timing
-        self._time = None
+    """A tpu torch.Event (kept as `.event`: torch.Event's elapsed_time and
+    wait take torch.Event itself, not subclasses)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **kwargs):
+        self.event = torch.Event(device="tpu", enable_timing=enable_timing, blocking=blocking,
+                                 interprocess=interprocess)
+
+    @property
+    def device(self):
+        return self.event.device
 
     def record(self, stream=None) -> None:
-        if self.enable_timing:
-            synchronize()
-            self._time = time.perf_counter()
-
-    def synchronize(self) -> None:
-        synchronize()
+        self.event.record(stream if stream is not None else current_stream())
 
     def wait(self, stream=None) -> None:
-        """One queue per device: work is already ordered."""
+        self.event.wait(stream if stream is not None else current_stream())
 
     def query(self) -> bool:
-        synchronize()
-        return True
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
 
     def elapsed_time(self, end: "Event") -> float:
-        if self._time is None or end._time is None:
-            raise RuntimeError("elapsed_time needs both events created with enable_timing=True and recorded")
-        return (end._time - self._time) * 1000.0
+        return self.event.elapsed_time(end.event if isinstance(end, Event) else end)
 
 
 def current_stream(device=None) -> Stream:
