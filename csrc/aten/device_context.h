@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "aten/runtime_checks.h"
+#include "pjrt/buffer.h"
 #include "pjrt/event.h"
 
 namespace torch_pjrt {
@@ -36,6 +37,9 @@ struct DeviceContext {
   // signature key alone is unambiguous inside one context.
   std::mutex op_cache_mutex;
   std::unordered_map<std::string, std::shared_ptr<CachedOp>> op_cache;
+  // Device buffers of Scalar operands (executor.cpp's cached_scalar_buffer).
+  std::mutex scalar_mutex;
+  std::unordered_map<std::string, std::shared_ptr<pjrt::Buffer>> scalar_buffers;
   // Fused/lazy modes: the graph being recorded and the compiled graphs.
   std::shared_ptr<PendingGraph> graph;
   std::mutex graph_cache_mutex;

@@ -47,12 +47,11 @@ pjrt::BufferPtr upload(const at::Tensor& cpu, int device, bool as_storage = fals
 // CPU tensor PyTorch makes of `x + 1.0`): keep their device buffers instead of
 // uploading one per op. `bytes` holds one element of type `e`.
 pjrt::BufferPtr cached_scalar_buffer(const unsigned char (&bytes)[8], ElementType e, int device) {
-  static std::mutex mutex;
-  static auto& cache = *new std::unordered_map<std::string, pjrt::BufferPtr>();  // never destroyed (see device.cpp)
+  DeviceContext& ctx = device_context(device);
+  auto& cache = ctx.scalar_buffers;
   std::string key(reinterpret_cast<const char*>(bytes), 8);
   key += static_cast<char>(e);
-  key += std::to_string(device);
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(ctx.scalar_mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   auto buf = client().buffer_from_host(bytes, e, {}, device);
