@@ -70,7 +70,7 @@ def test_steady_generation_compiles_bounded(mode, kind):
     assert new <= CONSTANT[mode] + PER_TOKEN[mode] * 2 * N, (new, torch_pjrt.explain())
 
 
-@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("mode", ["fused", "strict", "debug", "lazy"])
 def test_size_one_dim_strides_not_keyed(mode):
     wide = torch.arange(12.0).reshape(1, 12)
     tall = torch.arange(12.0).reshape(3, 4) * 10
@@ -84,7 +84,7 @@ def test_size_one_dim_strides_not_keyed(mode):
     torch.testing.assert_close(second, tall[1:2, -1:] + 1)
 
 
-@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("mode", ["fused", "strict", "debug", "lazy"])
 def test_contiguous_views_with_size_one_dims_read_right(mode):
     # Canonical strides must not change what a view reads: size-1 dims anywhere, nonzero offsets,
     # writes through such views, and a non-contiguous view next to them.
