@@ -109,3 +109,13 @@ def test_contiguous_views_with_size_one_dims_read_right(mode):
     expected[1:2, :, 3:4].add_(5)
     expected[:, :, 0:1] = -1
     torch.testing.assert_close(written, expected)
+
+
+def test_explain_names_a_changed_storage_size():
+    # The same shapes read from a larger storage (a growing `input_ids`): explain() says what differs.
+    with torch_pjrt.mode("fused"):
+        for width in (37, 38):
+            ids = torch.arange(width).reshape(1, width).to("tpu")
+            (ids[:, -1:] * 3).cpu()
+    assert any("storage of 304 bytes, before: contiguous, runtime offset, storage of 296 bytes" in r
+               for r in torch_pjrt.explain().recompiles), torch_pjrt.explain()
