@@ -293,13 +293,31 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
 // "aten::add.Tensor(f32[3, 4], f32[4])": what a recompile explanation shows.
 std::string describe(const RecordedOp& rec) { return describe_call(rec.op.schema(), rec.args); }
 
+// What a key holds beyond the shapes, for an explanation: per tpu tensor
+// argument its strides ("contiguous": the key has none), whether its offset
+// is a runtime operand, and its storage's size in bytes.
+std::string layout_detail(const RecordedOp& rec) {
+  std::string text;
+  for (const c10::IValue& v : rec.args) {
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu) return t;
+      text += text.empty() ? "" : "; ";
+      text += t.is_contiguous() ? std::string("contiguous") : "strides " + c10::str(t.strides());
+      if (t.storage_offset() != 0) text += ", runtime offset";
+      text += ", storage of " + std::to_string(t.storage().nbytes()) + " bytes";
+      return t;
+    });
+  }
+  return text;
+}
+
 // Recompilation explainer: says how a graph that missed the cache differs
 // from the graph compiled before it.
 void explain_recompile(const PendingGraph& g) {
   // Compared with the last compiled graph of the same length when there is
   // one: loops alternate graphs (a decode step's forward, then its sampling).
   struct Seen {
-    std::vector<std::string> keys, descriptions;
+    std::vector<std::string> keys, descriptions, details;
   };
   static Seen last;
   static std::map<size_t, Seen> by_length;
@@ -307,6 +325,7 @@ void explain_recompile(const PendingGraph& g) {
   for (const RecordedOp& rec : g.ops) {
     now.keys.push_back(rec.key);
     now.descriptions.push_back(describe(rec));
+    now.details.push_back(layout_detail(rec));
   }
   auto same_length = by_length.find(now.keys.size());
   const Seen& before = same_length != by_length.end() ? same_length->second : last;
@@ -319,7 +338,10 @@ void explain_recompile(const PendingGraph& g) {
     if (k < keys.size() && k < last_keys.size()) {
       reason = "op " + std::to_string(k) + " is " + now.descriptions[k] + " where the previous graph had " +
                before.descriptions[k];
-      if (now.descriptions[k] == before.descriptions[k]) reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
+      if (now.descriptions[k] == before.descriptions[k] && now.details[k] != before.details[k])
+        reason += " (same shapes; its tensors: " + now.details[k] + ", before: " + before.details[k] + ")";
+      else if (now.descriptions[k] == before.descriptions[k])
+        reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
     } else if (keys.size() != last_keys.size()) {
       reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
                std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
