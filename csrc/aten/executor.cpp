@@ -669,10 +669,11 @@ void check_cpu_kernel_rules(const Call& call) {
   if (base == "index_put" || base == "_index_put_impl") {
     auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
     auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
+    // In the CPU kernel's order (make_index_put_iterator): indices, value shape, then dtype.
+    check_index_put_value_shape(call, self, values);
     TORCH_CHECK(values.scalar_type() == self.scalar_type(),
                 "Index put requires the source and destination dtypes match, got ", self.scalar_type(),
                 " for the destination and ", values.scalar_type(), " for the source.");
-    check_index_put_value_shape(call, self, values);
   }
 }
 
@@ -1142,6 +1143,8 @@ void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* 
       TORCH_CHECK_INDEX(dim + j < self.dim() && t.size(j) == self.size(dim + j), "The shape of the mask ", t.sizes(),
                         " at index ", j, " does not match the shape of the indexed tensor ", self.sizes(), " at index ",
                         dim + j);
+    if (t.scalar_type() == at::kByte)
+      TORCH_WARN("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.");
     at::Tensor columns = at::nonzero(t);
     for (int64_t j = 0; j < t.dim(); ++j) expanded.push_back(columns.select(1, j));
     dim += t.dim();

@@ -160,3 +160,29 @@ def test_index_put_with_indices_that_do_not_broadcast_raises_cpu_index_error():
     assert_same_error(lambda t: t[[0, 1], [0, 1, 2]], a)
     i, j = torch.tensor([0, 1]), torch.tensor([0, 1, 2])
     assert_same_error(lambda t: t.index_put_((i.to(t.device), j.to(t.device)), torch.tensor(1.0, device=t.device)), a)
+
+
+# ---- boolean masks expanded on the device: CPU's warning and check order ----
+
+def test_uint8_mask_warns_like_cpu():
+    def warnings_of(device):
+        x = torch.arange(6.0, device=device).reshape(2, 3)
+        mask = torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.uint8, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            values = x[mask].cpu()
+        return values, sum("torch.uint8 is now deprecated" in str(w.message) for w in caught)
+
+    cpu_values, cpu_count = warnings_of("cpu")
+    tpu_values, tpu_count = warnings_of("tpu")
+    torch.testing.assert_close(tpu_values, cpu_values)
+    assert tpu_count == cpu_count == 1
+
+
+@pytest.mark.parametrize("value", [[], [1.0, 2.0, 3.0]])
+def test_mask_assignment_checks_shape_before_dtype(value):
+    def assign(a, v):
+        a[a > -1] = v
+        return a
+
+    assert_same_error(assign, torch.arange(0, 4), torch.tensor(value))
