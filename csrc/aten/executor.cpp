@@ -6,7 +6,6 @@
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/TypeProperties.h>
 #include <c10/util/Exception.h>
-#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <cstring>
@@ -137,12 +136,7 @@ struct KeyBuilder {
       TORCH_CHECK(call.device == t.device().index(), "Expected all tensors to be on the same device, but found ",
                   "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
       key += 't';
-      // A contiguous tensor's strides follow from its sizes, except those of
-      // size-1 dims, which PyTorch leaves arbitrary (x[:, -1:] of an [n, L]
-      // tensor has stride L there) and no program depends on (view_of). So
-      // its key says only 'C': a view of a growing tensor keeps its key.
-      if (t.is_contiguous()) key += 'C';
-      else for (int64_t s : t.strides()) num(s);
+      for (int64_t s : t.strides()) num(s);
       key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
       runtime_offset = runtime_offset || t.storage_offset() != 0;
       const StorageState& st = storage_state(t.storage());
@@ -443,10 +437,8 @@ class CallContext final : public lowering::Context {
   // over slices of one tensor reuses one program (the signature records
   // only "zero or not"). One operand per tensor argument, read or written.
   graph::StridedView view_of(const at::Tensor& t, int arg, int item) {
-    // A contiguous tensor reads as its canonical strides (its key has none).
-    c10::DimVector strides = t.is_contiguous() ? c10::contiguous_strides(t.sizes()) : c10::DimVector(t.strides());
     graph::StridedView view{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end()),
-                            lowering::Dims(strides.begin(), strides.end()), 0};
+                            lowering::Dims(t.strides().begin(), t.strides().end()), 0};
     if (t.storage_offset() == 0) return view;
     auto key = std::make_pair(arg, item);
     auto it = offsets_.find(key);
