@@ -62,12 +62,13 @@ def _bincount(self, weights=None, minlength=0):
     dtype = torch.long if weights is None else (torch.float if weights.dtype == torch.float else torch.double)
     if self.numel() == 0:
         return torch.zeros(minlength, dtype=dtype, device=self.device)
+    index = self if self.dtype in (torch.int32, torch.long) else self.long()  # index_add_ takes int32/int64
     low, high = torch.stack([self.min(), self.max()]).to(torch.long).tolist()  # the one host read
     if low < 0:
         raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
     counts = torch.zeros(max(high + 1, minlength), dtype=dtype, device=self.device)
     source = torch.ones_like(self, dtype=dtype) if weights is None else weights.to(dtype)
-    return counts.index_add_(0, self, source)
+    return counts.index_add_(0, index, source)
 
 
 def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
