@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
 
-from . import _C
+from . import _C, _resample_uint8
 
 counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
@@ -190,6 +190,25 @@ def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     return grad_v.to(saved_v.dtype), grad_g.reshape(saved_g.shape).to(saved_g.dtype)
 
 
+def _resample_kernel(op, name: str, cubic: bool, antialias: bool):
+    """uint8 inputs: the CPU's fixed-point algorithm (_resample_uint8); other
+    dtypes: PyTorch's decomposition where it has one, else the CPU."""
+    decomposition = decomposition_table.get(op)
+    other = _kernel(op, name, decomposition) if decomposition is not None else (
+        lambda *args, **kwargs: _on_cpu(op, name, "no lowering for this dtype", args, kwargs))
+
+    def kernel(input, output_size, align_corners, scales_h=None, scales_w=None):
+        args = (input, output_size, align_corners, scales_h, scales_w)
+        if input.dtype != torch.uint8:
+            return other(*args)
+        if _cpu_rejects(op, args, {}):
+            return _on_cpu(op, name, "the CPU kernel rejects these arguments", args, {})
+        counts[name] += 1
+        return _resample_uint8.resample(input, output_size, align_corners, scales_h, scales_w, cubic, antialias)
+
+    return kernel
+
+
 _PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward,
                 "_weight_norm_interface_backward": _weight_norm_interface_backward}
 
@@ -206,6 +225,9 @@ def register() -> None:
         _library.impl(name, meta, "Meta")
     for name, kernel in _PRIVATEUSE1.items():
         _library.impl(name, kernel, "PrivateUse1")
+    for name, (cubic, antialias) in _resample_uint8.OPS.items():
+        op = getattr(torch.ops.aten, name).default
+        _library.impl(op, _resample_kernel(op, f"aten::{name}", cubic, antialias), "PrivateUse1")
     lowered = set(_C._lowered_ops())
     for op, fn in decomposition_table.items():
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
@@ -214,6 +236,7 @@ def register() -> None:
         qualified = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
         base = schema.name.split("::")[1]
         base = base[:-1] if base.endswith("_") and not base.endswith("__") else base
-        if base in lowered or schema.name in _SKIP or schema.is_mutable or not _reaches_fallback(qualified):
+        if (base in lowered or schema.name in _SKIP or schema.is_mutable or not _reaches_fallback(qualified)
+                or (base in _resample_uint8.OPS and not schema.overload_name)):
             continue
         _library.impl(op, _kernel(op, qualified, fn), "PrivateUse1")
