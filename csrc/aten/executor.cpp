@@ -790,6 +790,9 @@ void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill) {
       if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
       auto options = t.options().device(at::kCPU);
       at::Tensor one = index || fill == 0 ? at::zeros({}, options) : at::ones({}, options);
+      // Dense tensors keep their strides (kernels such as _grouped_mm check
+      // them); other views read an expanded scalar, which costs no memory.
+      if (t.is_non_overlapping_and_dense()) return at::empty_strided(t.sizes(), t.strides(), options).copy_(one);
       return written ? one.expand(t.sizes()).clone() : one.expand(t.sizes());
     }));
   }
