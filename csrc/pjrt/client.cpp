@@ -102,18 +102,26 @@ ExecutablePtr Client::deserialize(const std::string& bytes, size_t device_index)
   return std::make_shared<LoadedExecutable>(plugin_, device(device_index), args.loaded_executable);
 }
 
-BufferPtr Client::buffer_from_host(const void* data, ElementType type, const std::vector<int64_t>& dims,
-                                   size_t device_index) const {
+// Starts a host-to-device copy; `semantics` says how long the plugin may read `data`.
+PJRT_Client_BufferFromHostBuffer_Args Client::start_upload(const void* data, ElementType type,
+                                                           const std::vector<int64_t>& dims, size_t device_index,
+                                                           PJRT_HostBufferSemantics semantics) const {
   auto args = PJRT_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
   args.client = client_;
   args.data = data;
   args.type = to_pjrt(type);
   args.dims = dims.data();
   args.num_dims = dims.size();
-  // The plugin copies before returning, so the caller's memory is free at once.
-  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+  args.host_buffer_semantics = semantics;
   args.device = device(device_index);
   plugin_->check(plugin_->api()->PJRT_Client_BufferFromHostBuffer(&args), "PJRT_Client_BufferFromHostBuffer");
+  return args;
+}
+
+BufferPtr Client::buffer_from_host(const void* data, ElementType type, const std::vector<int64_t>& dims,
+                                   size_t device_index) const {
+  // The plugin copies before returning, so the caller's memory is free at once.
+  auto args = start_upload(data, type, dims, device_index, PJRT_HostBufferSemantics_kImmutableOnlyDuringCall);
   if (args.done_with_host_buffer) Event(plugin_, args.done_with_host_buffer).wait();
   return std::make_shared<Buffer>(plugin_, args.buffer);
 }
@@ -121,15 +129,8 @@ BufferPtr Client::buffer_from_host(const void* data, ElementType type, const std
 std::pair<BufferPtr, std::unique_ptr<Event>> Client::buffer_from_host_async(const void* data, ElementType type,
                                                                             const std::vector<int64_t>& dims,
                                                                             size_t device_index) const {
-  auto args = PJRT_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
-  args.client = client_;
-  args.data = data;
-  args.type = to_pjrt(type);
-  args.dims = dims.data();
-  args.num_dims = dims.size();
-  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
-  args.device = device(device_index);
-  plugin_->check(plugin_->api()->PJRT_Client_BufferFromHostBuffer(&args), "PJRT_Client_BufferFromHostBuffer");
+  auto args =
+      start_upload(data, type, dims, device_index, PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes);
   auto buffer = std::make_shared<Buffer>(plugin_, args.buffer);
   std::unique_ptr<Event> done;
   if (args.done_with_host_buffer) done = std::make_unique<Event>(plugin_, args.done_with_host_buffer);

@@ -42,6 +42,9 @@ class Client {
 
  private:
   Client(std::shared_ptr<Plugin> plugin, PJRT_Client* client);
+  PJRT_Client_BufferFromHostBuffer_Args start_upload(const void* data, ElementType type,
+                                                     const std::vector<int64_t>& dims, size_t device_index,
+                                                     PJRT_HostBufferSemantics semantics) const;
   std::shared_ptr<Plugin> plugin_;
   PJRT_Client* client_;
   std::vector<PJRT_Device*> devices_;

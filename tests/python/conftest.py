@@ -63,3 +63,17 @@ def pytest_terminal_summary(terminalreporter):
     if module is not None and module.stats["samples"]:
         for line in module.pytest_terminal_summary_lines():
             terminalreporter.write_line(line)
+
+
+def tiny_model(kind):
+    """A tiny random-init causal LM ("gpt2" or "llama"), seeded, in eval mode (generation tests)."""
+    import transformers
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+                                         bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(config).eval()

@@ -13,24 +13,13 @@ import pytest
 import torch
 
 import torch_pjrt
+from conftest import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
 
 NEW_TOKENS = 8
-
-
-def tiny_model(kind):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
-                                         bos_token_id=1, eos_token_id=2)
-        return transformers.GPT2LMHeadModel(config).eval()
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
-                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def generate(model, ids, cache):
