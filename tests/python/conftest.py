@@ -77,3 +77,29 @@ def tiny_model(kind):
                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
                                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
     return transformers.LlamaForCausalLM(config).eval()
+
+
+def errors_of(fn, *args, **kwargs):
+    """Runs fn on CPU tensors and on tpu copies (reading every tensor result);
+    returns both exceptions (None: no error)."""
+    errors = []
+    for device in ("cpu", "tpu"):
+        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        try:
+            out = fn(*moved, **kwargs)
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    t.cpu()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - the type is what we compare
+            errors.append(e)
+    return errors
+
+
+def assert_same_error(fn, *args, **kwargs):
+    """fn raises on the CPU, and tpu raises the same exception type and first message line."""
+    cpu, tpu = errors_of(fn, *args, **kwargs)
+    assert cpu is not None, "the CPU accepts this call; the test is wrong"
+    assert tpu is not None, f"tpu did not raise; CPU raises {type(cpu).__name__}: {cpu}"
+    assert type(tpu) is type(cpu), f"tpu raised {type(tpu).__name__}: {tpu}; CPU raises {type(cpu).__name__}: {cpu}"
+    assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"

@@ -9,31 +9,9 @@ import warnings
 import pytest
 import torch
 import torch_pjrt  # noqa: F401
+from conftest import assert_same_error, errors_of
 
 warnings.filterwarnings("ignore", message="torch_pjrt:")
-
-
-def cpu_error(fn, *args, **kwargs):
-    """Runs fn on CPU and on tpu copies of the tensor args; returns both exceptions."""
-    errors = []
-    for device in ("cpu", "tpu"):
-        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-        try:
-            out = fn(*moved, **kwargs)
-            if isinstance(out, torch.Tensor):
-                out.cpu()
-            errors.append(None)
-        except Exception as e:  # noqa: BLE001 - the type is what we compare
-            errors.append(e)
-    return errors
-
-
-def assert_same_error(fn, *args, **kwargs):
-    cpu, tpu = cpu_error(fn, *args, **kwargs)
-    assert cpu is not None, "the CPU accepts this call; the test is wrong"
-    assert tpu is not None, f"tpu did not raise; CPU raises {type(cpu).__name__}: {cpu}"
-    assert type(tpu) is type(cpu), f"tpu raised {type(tpu).__name__}: {tpu}; CPU raises {type(cpu).__name__}: {cpu}"
-    assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"
 
 
 # ---- errors: a meta kernel or decomposition that rejects sends the call to the CPU kernel ----
@@ -222,7 +200,7 @@ def test_index_put_broadcasting_value_matches_cpu():
 ])
 def test_integer_inputs_to_float_only_kernels_raise_cpu_error(dtype, name, fn):
     x = (torch.randn(4, 4, 4, 4) * 3).to(dtype)
-    cpu, tpu = cpu_error(fn, x)
+    cpu, tpu = errors_of(fn, x)
     if cpu is None:  # this dtype has a CPU kernel: same values
         torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x))
         return

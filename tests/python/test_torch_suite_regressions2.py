@@ -8,32 +8,9 @@ import warnings
 import pytest
 import torch
 import torch_pjrt  # noqa: F401
+from conftest import assert_same_error
 
 warnings.filterwarnings("ignore", message="torch_pjrt:")
-
-
-def errors_of(fn, *args):
-    """Runs fn on CPU tensors and on tpu copies; returns both exceptions (None: no error)."""
-    errors = []
-    for device in ("cpu", "tpu"):
-        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-        try:
-            out = fn(*moved)
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    t.cpu()
-            errors.append(None)
-        except Exception as e:  # noqa: BLE001 - the type is what we compare
-            errors.append(e)
-    return errors
-
-
-def assert_same_error(fn, *args):
-    cpu, tpu = errors_of(fn, *args)
-    assert cpu is not None, "the CPU accepts this call; the test is wrong"
-    assert tpu is not None, f"tpu did not raise; CPU raises {type(cpu).__name__}: {cpu}"
-    assert type(tpu) is type(cpu), f"tpu raised {type(tpu).__name__}: {tpu}; CPU raises {type(cpu).__name__}: {cpu}"
-    assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"
 
 
 # ---- error types: importing torch_pjrt must not turn c10 errors into RuntimeError ----
