@@ -13,6 +13,7 @@
 #include "aten/lowerings/collectives.h"
 #include "aten/op_call.h"
 #include "graph/metrics.h"
+#include "pjrt/error.h"
 
 namespace torch_pjrt {
 namespace {
@@ -73,11 +74,38 @@ pjrt::BufferPtr dense_buffer(at::Tensor t, ElementType element) {
   return b;
 }
 
-// Replicated executions hold this while enqueuing: two threads enqueuing programs
-// over the same devices in different orders could each wait in the other's rendezvous.
-std::mutex& enqueue_mutex() {
-  static std::mutex m;
-  return m;
+// The CPU plugin launches each device's part of a multi-device program from
+// its thread pool, so two programs in flight at once may start in different
+// orders on different devices; each then waits in its rendezvous for a replica
+// stuck behind the other, and XLA aborts the process after 40 s (seen with
+// four threads issuing collectives over overlapping devices). So a collective
+// starts only once the previous one finished: this keeps its outputs
+// (referenced until the next collective, which waits for them).
+struct LaunchOrder {
+  std::mutex mutex;
+  std::vector<pjrt::BufferPtr> previous_outputs;
+};
+LaunchOrder& launch_order() {
+  static auto* order = new LaunchOrder();  // never destroyed: buffers outlive static teardown
+  return *order;
+}
+
+pjrt::LoadedExecutable::ReplicatedResult execute_in_order(const pjrt::LoadedExecutable& exe,
+                                                          const std::vector<std::vector<pjrt::Buffer*>>& args,
+                                                          const std::vector<PJRT_Device*>& devices) {
+  LaunchOrder& order = launch_order();
+  std::lock_guard<std::mutex> lock(order.mutex);
+  for (const pjrt::BufferPtr& b : order.previous_outputs) {
+    try {
+      b->wait_ready();
+    } catch (const pjrt::Error&) {
+      // That collective failed; its outputs raise where they are read.
+    }
+  }
+  order.previous_outputs.clear();
+  auto result = exe.execute_replicated(args, devices);
+  for (const auto& outputs : result.outputs) order.previous_outputs.insert(order.previous_outputs.end(), outputs.begin(), outputs.end());
+  return result;
 }
 
 }  // namespace
@@ -118,11 +146,7 @@ std::vector<at::Tensor> run_collective(const std::string& kind, const std::vecto
     bytes += static_cast<int64_t>(held.back()->byte_count());
   }
   pjrt::ExecutablePtr exe = compile_cache().get_or_compile_replicated(program.text, devices);
-  pjrt::LoadedExecutable::ReplicatedResult result;
-  {
-    std::lock_guard<std::mutex> lock(enqueue_mutex());
-    result = exe->execute_replicated(args, replica_devices);
-  }
+  auto result = execute_in_order(*exe, args, replica_devices);
   ++graph::metrics().executions;
   ++graph::metrics().collectives_in_xla;
   graph::metrics().collective_bytes += bytes;

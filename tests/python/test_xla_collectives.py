@@ -264,6 +264,40 @@ THREADS = PRELUDE + textwrap.dedent(
     except RuntimeError as e:
         assert "disagree" in str(e), str(e)
     print("ok thread errors")
+
+    # Threads issuing list collectives over overlapping devices in different orders at once: the plugin would
+    # start them in different orders per device and deadlock (XLA aborts after 40 s); each is correct.
+    def worker(order, res):
+        a = [torch.full((100,), float(i + 1), device=DEV[i]) for i in order]
+        for _ in range(30):
+            a = [x * 1.0 for x in xc.all_reduce(a, "avg")]
+        res.append((order, [x.cpu() for x in a]))
+    orders = [list(range(N)), list(range(N))[::-1], [1, 0], [N - 1, 0]]
+    res = []
+    threads = [threading.Thread(target=worker, args=(o, res)) for o in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(res) == len(orders), res
+    for order, outs in res:
+        for x in outs:
+            check(x, torch.full((100,), sum(i + 1 for i in order) / len(order)), f"concurrent {order}")
+    print("ok concurrent")
+    """
+)
+
+DISK_CACHE = PRELUDE + textwrap.dedent(
+    r"""
+    # A replicated executable from the disk tier keeps its device assignment (replica i on the i-th device given).
+    xs = inputs((4,), torch.float32)
+    devices = DEV[::-1][:3]
+    out = xc.all_gather([x.to(d) for x, d in zip(xs, devices)])
+    for o, d in zip(out, devices):
+        assert o.device == torch.device(d)
+        check(o, torch.cat(xs[:3]), "gather through the disk cache", exact=True)
+    m = torch_pjrt.metrics()
+    print("compiles", m["compiles"], "disk hits", m["disk_cache_hits"])
     """
 )
 
@@ -292,7 +326,15 @@ def test_compiles_once_metrics_and_errors(devices):
 @pytest.mark.parametrize("devices", [2, 4])
 def test_thread_ranks(devices):
     out = run_script(THREADS, devices)
-    assert "ok threads" in out and "ok thread errors" in out, out
+    assert "ok threads" in out and "ok thread errors" in out and "ok concurrent" in out, out
+
+
+def test_disk_cache_keeps_the_device_assignment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_PJRT_CACHE_DIR", str(tmp_path))
+    first = run_script(DISK_CACHE, 4)
+    second = run_script(DISK_CACHE, 4)
+    assert "compiles 1 disk hits 0" in first, first
+    assert "compiles 0 disk hits 1" in second, second
 
 
 def test_one_device_is_the_identity():
