@@ -726,6 +726,8 @@ Value Builder::all_to_all(Value x, int64_t dim, const ReplicaGroups& groups) {
               x.type);
 }
 
+Value Builder::replica_id() { return emit("replica_id", {}, "", TensorType{ElementType::U32, {}}); }
+
 Value Builder::collective_permute(Value x, const std::vector<std::pair<int64_t, int64_t>>& source_target_pairs) {
   std::vector<Dims> pairs;
   for (const auto& [source, target] : source_target_pairs) pairs.push_back({source, target});

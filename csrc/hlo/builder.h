@@ -142,6 +142,7 @@ class Builder {
   // Splits `dim` into group-size chunks, sends chunk j to the group's j-th replica, concatenates the received chunks
   // along `dim`.
   Value all_to_all(Value x, int64_t dim, const ReplicaGroups& groups);
+  Value replica_id();  // this replica's index (ui32 scalar)
   // Each (source, target) replica pair: target receives source's x; a replica that is no target gets zeros.
   Value collective_permute(Value x, const std::vector<std::pair<int64_t, int64_t>>& source_target_pairs);
 

@@ -98,6 +98,10 @@ TEST(Collectives, ReduceScatterAllToAllPermuteBroadcast) {
   auto bc_spec = spec_of(Collective::Broadcast, {2}, 3);
   bc_spec.root = 2;
   for (const auto& r : run(bc_spec, {0, 1, 2})) EXPECT_EQ(r, (std::vector<float>{200, 201}));
+  bc_spec.groups = {{0}, {1}, {2}};  // each replica its own root
+  bc_spec.root = 0;
+  auto own = run(bc_spec, {0, 1, 2});
+  EXPECT_EQ(own[1], (std::vector<float>{100, 101}));
 }
 
 TEST(Collectives, GroupsReduceAmongThemselves) {

@@ -125,9 +125,17 @@ COLLECTIVES = PRELUDE + textwrap.dedent(
         out = xc.all_reduce(to_devices(xs), op)[0].cpu()
         assert out.isnan().tolist() == [False, False, True, False], (op, out)
         check(out, reduce_ref(xs, op), f"nan {op}")
-    neg = [torch.tensor([-0.0, 1.0])] + [torch.tensor([5.0, 5.0])] * (N - 1)
-    out = xc.broadcast(to_devices(neg), src=0)[N - 1].cpu()
-    assert torch.signbit(out[0]), out
+    odd_bits = torch.tensor([-0.0, float("nan"), 1.0]).view(torch.int32)
+    odd_bits[1] += 5  # a NaN with its own payload
+    special = [odd_bits.view(torch.float32)] + [torch.tensor([5.0, 5.0, 5.0])] * (N - 1)
+    for out in xc.broadcast(to_devices(special), src=0):
+        assert torch.equal(out.cpu().view(torch.int32), odd_bits), (out.cpu().view(torch.int32), odd_bits)
+    for dtype in (torch.bool, torch.complex64, torch.float16):
+        ws = [torch.randn(5, generator=g).to(dtype) for _ in range(N)]
+        for out in xc.broadcast(to_devices(ws), src=N - 1):
+            check(out, ws[N - 1], f"broadcast {dtype}", exact=True)
+    cs = [torch.randn(3, generator=g, dtype=torch.complex64) for _ in range(N)]
+    check(xc.all_reduce(to_devices(cs), "sum")[0], torch.stack(cs).sum(0), "complex sum")
 
     # Groups: replicas {even} and {odd} reduce among themselves.
     if N == 4:
@@ -137,6 +145,9 @@ COLLECTIVES = PRELUDE + textwrap.dedent(
             check(outs[r], reduce_ref([xs[r % 2], xs[r % 2 + 2]], "sum"), f"groups rank {r}")
         outs = xc.all_gather(to_devices(xs), groups=[[3, 1], [2, 0]])
         check(outs[1], torch.cat([xs[3], xs[1]]), "group order is list order", exact=True)
+        outs = xc.broadcast(to_devices(xs), src=1, groups=[[0, 2], [1, 3]])
+        for r in range(N):
+            check(outs[r], xs[2 + r % 2], f"group broadcast rank {r}", exact=True)
 
     # In-place form writes into non-contiguous tensors; torch.distributed's ReduceOp is accepted.
     xs = inputs((6, 4), torch.float32)

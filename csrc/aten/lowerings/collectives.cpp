@@ -102,6 +102,43 @@ void check_pairs(const CollectiveSpec& spec) {
   }
 }
 
+// The unsigned integer type as wide as `t` (its bits), u8 for pred.
+ElementType bits_type(ElementType t) {
+  switch (byte_size(t)) {
+    case 1: return ElementType::U8;
+    case 2: return ElementType::U16;
+    case 4: return ElementType::U32;
+    default: return ElementType::U64;
+  }
+}
+
+// Broadcast as an integer sum of the root's bits and everyone else's zeros:
+// bit-exact for every real dtype (-0.0, NaN payloads) at all_reduce's cost.
+Value broadcast_bits(Builder& b, Value x, const CollectiveSpec& spec, const Builder::ReplicaGroups& groups) {
+  const ElementType element = x.element(), bits = bits_type(element);
+  TensorType bits_t{bits, x.dims()};
+  Value v = element == ElementType::Pred ? b.convert(x, bits) : b.bitcast_convert(x, bits_t);
+  Value id = b.replica_id(), is_root = b.constant_bool(false);
+  for (const Dims& g : groups) {
+    Value root_id = b.constant_int(g[spec.root], ElementType::U32);
+    is_root = b.binary("or", is_root, b.compare(id, root_id, hlo::Compare::EQ));
+  }
+  Value mask = b.broadcast_in_dim(is_root, x.dims(), {});
+  Value sum = b.all_reduce(b.select(mask, v, b.constant_int(0, bits, x.dims())), hlo::Reducer::Add, groups);
+  return element == ElementType::Pred ? b.convert(sum, element) : b.bitcast_convert(sum, x.type);
+}
+
+// Complex numbers (no bitcast in XLA): gather every replica's value on a new leading dim, keep the root's.
+Value broadcast_by_gather(Builder& b, Value x, int64_t root, const Builder::ReplicaGroups& groups) {
+  Dims one = x.dims();
+  one.insert(one.begin(), 1);
+  Value all = b.all_gather(b.reshape(x, one), 0, groups);
+  Dims start(one.size(), 0), limit = all.dims(), strides(one.size(), 1);
+  start[0] = root;
+  limit[0] = root + 1;
+  return b.reshape(b.slice(all, start, limit, strides), x.dims());
+}
+
 Value lower(Builder& b, Value x, const CollectiveSpec& spec) {
   const Builder::ReplicaGroups groups = checked_groups(spec);
   const int64_t group = static_cast<int64_t>(groups[0].size());
@@ -120,20 +157,11 @@ Value lower(Builder& b, Value x, const CollectiveSpec& spec) {
     case Collective::Permute:
       check_pairs(spec);
       return b.collective_permute(x, spec.pairs);
-    case Collective::Broadcast: {
-      // Gather every replica's value on a new leading dim and keep the root's:
-      // bit-exact for every dtype (a masked sum would turn -0.0 into 0.0).
+    case Collective::Broadcast:
       if (spec.root < 0 || spec.root >= group)
         throw std::invalid_argument("broadcast root " + std::to_string(spec.root) + " is outside the group of " +
                                     std::to_string(group));
-      Dims one = x.dims();
-      one.insert(one.begin(), 1);
-      Value all = b.all_gather(b.reshape(x, one), 0, groups);
-      Dims start(one.size(), 0), limit = all.dims(), strides(one.size(), 1);
-      start[0] = spec.root;
-      limit[0] = spec.root + 1;
-      return b.reshape(b.slice(all, start, limit, strides), x.dims());
-    }
+      return is_complex(x.element()) ? broadcast_by_gather(b, x, spec.root, groups) : broadcast_bits(b, x, spec, groups);
   }
   throw std::invalid_argument("unknown collective");
 }
