@@ -133,6 +133,11 @@ std::vector<at::Tensor> run_collective(const std::string& kind, const std::vecto
     TORCH_CHECK_VALUE(false, kind, ": ", e.what());
   }
 
+  if (inputs[0].numel() == 0) {  // nothing to move: empty results of the collective's shape
+    std::vector<at::Tensor> outputs;
+    for (const at::Tensor& t : inputs) outputs.push_back(at::empty(program.out_dims, t.options()));
+    return outputs;
+  }
   std::vector<size_t> devices;
   std::vector<PJRT_Device*> replica_devices;
   std::vector<pjrt::BufferPtr> held;  // referenced until enqueued: never donated meanwhile

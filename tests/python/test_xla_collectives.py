@@ -114,6 +114,13 @@ COLLECTIVES = PRELUDE + textwrap.dedent(
     bs = inputs((9,), torch.bool)
     for op in ("sum", "max", "min", "prod"):
         check(xc.all_reduce(to_devices(bs), op)[0], reduce_ref(bs, op), f"bool {op}")
+    # Empty tensors, never-written storages (zeros), a dtype view of another dtype's storage.
+    empty = xc.all_gather([torch.empty(0, 3, device=d) for d in DEV], dim=1)
+    assert all(e.shape == (0, 3 * N) and e.device == torch.device(d) for e, d in zip(empty, DEV)), empty
+    check(xc.all_reduce([torch.empty(5, device=d) for d in DEV])[0], torch.zeros(5), "never written")
+    fs = inputs((2, 3), torch.float32)
+    ints = xc.all_reduce([f.to(d).view(torch.int32) for f, d in zip(fs, DEV)], "max")
+    check(ints[0], torch.stack([f.view(torch.int32) for f in fs]).max(0).values, "int32 view of floats")
     zs = [torch.tensor(float(r) + 0.5) for r in range(N)]
     check(xc.all_reduce(to_devices(zs))[N - 1], reduce_ref(zs, "sum"), "0-d all_reduce")
     check(xc.broadcast(to_devices(zs), src=N - 1)[0], zs[N - 1], "0-d broadcast", exact=True)
