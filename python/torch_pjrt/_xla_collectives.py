@@ -72,8 +72,9 @@ _OPS = ("sum", "avg", "max", "min", "prod")
 def _op_name(op: Any) -> str:
     if isinstance(op, str):
         name = op.lower()
-    else:  # torch.distributed.ReduceOp or its RedOpType
-        name = str(getattr(op, "name", None) or op).split(".")[-1].lower()
+    else:  # torch.distributed.ReduceOp (its .op is a RedOpType) or a RedOpType
+        op_type = getattr(op, "op", op)
+        name = str(getattr(op_type, "name", None) or op_type).split(".")[-1].lower()
     if name == "product":
         name = "prod"
     if name not in _OPS:

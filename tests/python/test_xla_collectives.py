@@ -203,6 +203,12 @@ CACHE_AND_ERRORS = PRELUDE + textwrap.dedent(
     raises(ValueError, "not a tpu tensor", lambda: xc.all_reduce([t0, torch.ones(4)]))
     raises(ValueError, "AVG", lambda: xc.all_reduce([t0.long(), t1.long()], "avg"))
     raises(ValueError, "unsupported reduce op", lambda: xc.all_reduce([t0, t1], "xor"))
+    if torch.distributed.is_available():
+        RO = torch.distributed.ReduceOp
+        raises(ValueError, "unsupported reduce op", lambda: xc.all_reduce([t0, t1], RO.BAND))
+        for op, name in ((RO(RO.MIN), "min"), (RO.PRODUCT, "prod"), (RO.AVG, "avg")):
+            check(xc.all_reduce([t0 * 3, t1 * 2], op)[1], reduce_ref([torch.ones(4) * 3, torch.ones(4) * 2], name),
+                  f"ReduceOp {name}")
     raises(ValueError, "not divisible", lambda: xc.reduce_scatter([torch.ones(3, device=d) for d in DEV[:2]]))
     raises(ValueError, "once", lambda: xc.collective_permute([t0, t1], [(0, 1), (0, 0)]))
     raises(ValueError, "0-d", lambda: xc.all_gather([torch.tensor(1.0, device=d) for d in DEV[:2]]))
