@@ -35,7 +35,7 @@ ValueError/TypeError naming the problem.
 - ``broadcast(tensors, src=0, groups=None)``: every replica gets the group's
   ``src``-th replica's value (bit-exact).
 
-Thread ranks: ``run_in_threads(fn, world_size, timeout=60.0)`` runs
+Thread ranks: ``run_in_threads(fn, world_size, timeout=600.0)`` runs
 ``fn(rank)`` in ``world_size`` threads, thread ``rank`` with ``tpu:rank`` as
 its current device, and returns their results in rank order. Inside ``fn`` the
 rank functions ``rank_all_reduce(t, op)``, ``rank_all_gather(t, dim)``,
@@ -48,8 +48,9 @@ with ``group.collective(rank, kind, tensor, **kwargs)`` is the same
 rendezvous without threads started for you (a c10d backend holds one per
 process group). Ranks must call collectives in the same order with the same
 kind and arguments; a mismatch raises in every rank, and a rank that does not
-arrive within ``timeout`` seconds (or raised) makes the others raise an
-error naming the collective and the missing ranks instead of hanging.
+arrive within ``timeout`` seconds (default 600, NCCL's default; or raised)
+makes the others raise an error naming the collective and the missing ranks
+instead of hanging.
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ class ThreadGroup:
     run once, as one program, over all ranks' tensors.
     """
 
-    def __init__(self, world_size: int, timeout: float = 60.0):
+    def __init__(self, world_size: int, timeout: float = 600.0):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
@@ -255,7 +256,7 @@ def thread_world_size() -> int:
     return _current()[0].world_size
 
 
-def run_in_threads(fn: Callable[[int], Any], world_size: int, timeout: float = 60.0) -> list[Any]:
+def run_in_threads(fn: Callable[[int], Any], world_size: int, timeout: float = 600.0) -> list[Any]:
     """Runs ``fn(rank)`` on ``world_size`` threads, rank r on ``tpu:r``; returns the results by rank.
 
     An exception in any rank breaks the group (the others' collectives raise

@@ -287,6 +287,11 @@ THREADS = PRELUDE + textwrap.dedent(
         raise AssertionError("no error")
     except RuntimeError as e:
         assert "disagree" in str(e), str(e)
+    try:
+        xc.run_in_threads(lambda rank: None, N + 1)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "TORCH_PJRT_CPU_DEVICES" in str(e), str(e)
     print("ok thread errors")
 
     # Threads issuing list collectives over overlapping devices in different orders at once: the plugin would
