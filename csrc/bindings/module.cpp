@@ -6,6 +6,7 @@
 
 #include <map>
 
+#include "aten/collectives.h"
 #include "aten/device.h"
 #include "aten/executor.h"
 #include "aten/fused_graph.h"
@@ -134,6 +135,8 @@ PYBIND11_MODULE(_C, m) {
     d["donated_bytes"] = s.donated_bytes.get();
     d["check_status_reads"] = s.check_status_reads.get();
     d["host_to_device_bytes"] = s.host_to_device_bytes.get();
+    d["collectives_in_xla"] = s.collectives_in_xla.get();
+    d["collective_bytes"] = s.collective_bytes.get();
     d["device_to_host_bytes"] = s.device_to_host_bytes.get();
     d["cpu_fallbacks"] = s.cpu_fallbacks;
     d["lowered_ops"] = s.lowered_ops;
@@ -148,6 +151,9 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("_reset_metrics", &graph::reset_metrics);
+  m.def("_xla_collective", &run_collective, py::arg("kind"), py::arg("tensors"), py::arg("op") = "sum",
+        py::arg("dim") = 0, py::arg("groups") = std::vector<std::vector<int64_t>>{},
+        py::arg("pairs") = std::vector<std::pair<int64_t, int64_t>>{}, py::arg("root") = 0, release_gil());
   m.def("_install_location_hook", &install_python_location_hook);
   m.def("_set_generated_code_resolver", [](py::object resolver) { set_generated_code_resolver(resolver.ptr()); });
   m.def("_inject_compile_fault", &inject_compile_fault);

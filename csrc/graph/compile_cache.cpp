@@ -93,6 +93,20 @@ pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, siz
   // executable.
   pjrt::CompileOptions compile_options = options(effort);
   std::string key = std::to_string(device_index) + "\n" + compile_options.serialize() + "\n" + program;
+  return find_or_build(std::move(key), program, compile_options, device_index);
+}
+
+pjrt::ExecutablePtr CompileCache::get_or_compile_replicated(const std::string& program,
+                                                            const std::vector<size_t>& device_indices) {
+  pjrt::CompileOptions compile_options = client_->replicated_options(options(Effort::Full), device_indices);
+  std::string key = "replicas";
+  for (size_t index : device_indices) key += " " + std::to_string(index);
+  key += "\n" + compile_options.serialize() + "\n" + program;
+  return find_or_build(std::move(key), program, compile_options, device_indices.at(0));
+}
+
+pjrt::ExecutablePtr CompileCache::find_or_build(std::string key, const std::string& program,
+                                                const pjrt::CompileOptions& compile_options, size_t device_index) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);

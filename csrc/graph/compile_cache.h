@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "graph/disk_cache.h"
 #include "pjrt/client.h"
@@ -22,6 +23,9 @@ class CompileCache {
   explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr)
       : client_(std::move(client)), disk_(std::move(disk)) {}
   pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
+  // One program run as a replica on each of `device_indices` (collectives
+  // across devices); the key holds the device set and its order.
+  pjrt::ExecutablePtr get_or_compile_replicated(const std::string& program, const std::vector<size_t>& device_indices);
   // The options a program of `effort` is compiled with (part of the cache key).
   pjrt::CompileOptions options(Effort effort) const;
   size_t size() const {
@@ -34,6 +38,8 @@ class CompileCache {
   }
 
  private:
+  pjrt::ExecutablePtr find_or_build(std::string key, const std::string& program,
+                                    const pjrt::CompileOptions& compile_options, size_t device_index);
   std::shared_ptr<pjrt::Client> client_;
   std::unique_ptr<DiskCache> disk_;
   mutable std::mutex mutex_;  // guards entries_; compiles run outside it (a race compiles twice, harmlessly)

@@ -62,6 +62,8 @@ struct Metrics {
   Count donated_bytes;
   Count check_status_reads;  // runtime-check statuses read at host waits (one per checked program)
   Count host_to_device_bytes;
+  Count collectives_in_xla;  // collectives run as one multi-device XLA program (aten/collectives.cpp)
+  Count collective_bytes;    // their input bytes, summed over the participating devices
   Count device_to_host_bytes;
   // Guarded by metrics_mutex(): update through the functions below.
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count

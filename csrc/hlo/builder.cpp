@@ -378,7 +378,7 @@ Value Builder::dynamic_slice(Value operand, const std::vector<Value>& start_indi
               TensorType{operand.element(), sizes});
 }
 
-std::string Builder::reducer_region(Reducer reducer, ElementType type) {
+std::string Builder::reducer_region(Reducer reducer, ElementType type, bool propagate_nan) {
   TensorType scalar{type, {}};
   std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
   std::string r = "%v" + std::to_string(next_id_++);
@@ -393,7 +393,7 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type) {
   }
   std::string t = scalar.str();
   std::string body = "      " + r + " = \"stablehlo." + op + "\"(" + a + ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n";
-  if (is_float(type) && (reducer == Reducer::Max || reducer == Reducer::Min)) {
+  if (propagate_nan && is_float(type) && (reducer == Reducer::Max || reducer == Reducer::Min)) {
     // NaN propagates, as in max(): a NaN operand is the result.
     std::string p = TensorType{ElementType::Pred, {}}.str();
     auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
@@ -653,6 +653,86 @@ std::vector<Value> Builder::sort(const std::vector<Value>& operands, int64_t dim
 std::vector<Value> Builder::rng_bit_generator(Value state, TensorType bits_type) {
   return emit_multi("rng_bit_generator", {state}, "{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}",
                     {state.type, bits_type}, "");
+}
+
+namespace {
+// dense<[[0, 1], [2, 3]]> : tensor<2x2xi64>; every row has the same length.
+std::string groups_attr(const std::vector<Dims>& rows, size_t row_length) {
+  std::string text = "dense<[";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    PJRT_CHECK(rows[i].size() == row_length, "internal: replica groups of different sizes");
+    text += (i ? ", " : "") + list(rows[i]);
+  }
+  return text + "]> : tensor<" + std::to_string(rows.size()) + "x" + std::to_string(row_length) + "xi64>";
+}
+int64_t group_size(const std::vector<Dims>& groups) {
+  PJRT_CHECK(!groups.empty() && !groups[0].empty(), "internal: empty replica groups");
+  return static_cast<int64_t>(groups[0].size());
+}
+}  // namespace
+
+Value Builder::nan_propagating_collective(Value x, Reducer reducer,
+                                          const std::function<Value(Value, Reducer)>& reduce_op) {
+  Value r = reduce_op(x, reducer);
+  if (!is_float(x.element()) || (reducer != Reducer::Max && reducer != Reducer::Min)) return r;
+  // The collective's region is a bare maximum/minimum; a second reduction says where any replica had a NaN.
+  Value one = constant(1, x.element(), x.dims()), zero = constant(0, x.element(), x.dims());
+  Value nan_seen = reduce_op(select(compare(x, x, Compare::NE), one, zero), Reducer::Max);
+  Value nan = constant(std::nan(""), r.element(), r.dims());
+  return select(compare(nan_seen, constant(0, r.element(), r.dims()), Compare::GT), nan, r);
+}
+
+Value Builder::all_reduce(Value x, Reducer reducer, const ReplicaGroups& groups) {
+  return nan_propagating_collective(x, reducer, [&](Value v, Reducer red) {
+    std::string region = reducer_region(red, v.element(), false);
+    return emit("all_reduce", {v}, "{replica_groups = " + groups_attr(groups, group_size(groups)) + "}", v.type,
+                region);
+  });
+}
+
+Value Builder::all_gather(Value x, int64_t dim, const ReplicaGroups& groups) {
+  PJRT_CHECK(dim >= 0 && dim < x.rank(), "internal: all_gather over dim ", dim, " of ", x.type.str());
+  TensorType out = x.type;
+  out.dims[dim] *= group_size(groups);
+  return emit("all_gather", {x},
+              "{all_gather_dim = " + std::to_string(dim) + " : i64, replica_groups = " +
+                  groups_attr(groups, group_size(groups)) + "}",
+              out);
+}
+
+Value Builder::reduce_scatter(Value x, int64_t dim, Reducer reducer, const ReplicaGroups& groups) {
+  int64_t n = group_size(groups);
+  PJRT_CHECK(dim >= 0 && dim < x.rank() && x.dims()[dim] % n == 0, "internal: reduce_scatter of ", x.type.str(),
+             " over dim ", dim, " among ", n, " replicas");
+  return nan_propagating_collective(x, reducer, [&](Value v, Reducer red) {
+    TensorType out = v.type;
+    out.dims[dim] /= n;
+    std::string region = reducer_region(red, v.element(), false);
+    return emit("reduce_scatter", {v},
+                "{replica_groups = " + groups_attr(groups, n) + ", scatter_dimension = " + std::to_string(dim) +
+                    " : i64}",
+                out, region);
+  });
+}
+
+Value Builder::all_to_all(Value x, int64_t dim, const ReplicaGroups& groups) {
+  int64_t n = group_size(groups);
+  PJRT_CHECK(dim >= 0 && dim < x.rank() && x.dims()[dim] % n == 0, "internal: all_to_all of ", x.type.str(),
+             " over dim ", dim, " among ", n, " replicas");
+  std::string d = std::to_string(dim) + " : i64";
+  return emit("all_to_all", {x},
+              "{concat_dimension = " + d + ", replica_groups = " + groups_attr(groups, n) + ", split_count = " +
+                  std::to_string(n) + " : i64, split_dimension = " + d + "}",
+              x.type);
+}
+
+Value Builder::replica_id() { return emit("replica_id", {}, "", TensorType{ElementType::U32, {}}); }
+
+Value Builder::collective_permute(Value x, const std::vector<std::pair<int64_t, int64_t>>& source_target_pairs) {
+  std::vector<Dims> pairs;
+  for (const auto& [source, target] : source_target_pairs) pairs.push_back({source, target});
+  PJRT_CHECK(!pairs.empty(), "internal: collective_permute without pairs");
+  return emit("collective_permute", {x}, "{source_target_pairs = " + groups_attr(pairs, 2) + "}", x.type);
 }
 
 std::string Builder::finish(const std::vector<Value>& results, const std::map<int, int>& aliases) const {

@@ -3,6 +3,7 @@
 // StableHLO versions. Values are SSA names tagged with their tensor type.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -131,6 +132,20 @@ class Builder {
   // Random bits: returns {new_state, bits}. State is ui64[2] (Threefry key/counter).
   std::vector<Value> rng_bit_generator(Value state, TensorType bits_type);
 
+  // Collectives across the replicas of a program compiled for N replicas
+  // (cross-replica mode: no channel handle, ids are replica ids). `groups`
+  // partitions the replicas; each group reduces/gathers among itself.
+  using ReplicaGroups = std::vector<Dims>;
+  Value all_reduce(Value x, Reducer reducer, const ReplicaGroups& groups);
+  Value all_gather(Value x, int64_t dim, const ReplicaGroups& groups);      // dim grows by the group size
+  Value reduce_scatter(Value x, int64_t dim, Reducer reducer, const ReplicaGroups& groups);  // dim shrinks by it
+  // Splits `dim` into group-size chunks, sends chunk j to the group's j-th replica, concatenates the received chunks
+  // along `dim`.
+  Value all_to_all(Value x, int64_t dim, const ReplicaGroups& groups);
+  Value replica_id();  // this replica's index (ui32 scalar)
+  // Each (source, target) replica pair: target receives source's x; a replica that is no target gets zeros.
+  Value collective_permute(Value x, const std::vector<std::pair<int64_t, int64_t>>& source_target_pairs);
+
   // A call to a function the plugin registered under `target` (custom kernels).
   Value custom_call(const std::string& target, const std::vector<Value>& operands, TensorType result);
 
@@ -154,7 +169,12 @@ class Builder {
   std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
                                 const std::string& attributes, const std::vector<TensorType>& results,
                                 const std::string& region);
-  std::string reducer_region(Reducer reducer, ElementType type);
+  // `propagate_nan` false: the bare op (the CPU plugin's collectives accept
+  // only single-op reduction regions).
+  std::string reducer_region(Reducer reducer, ElementType type, bool propagate_nan = true);
+  // A collective reduction (all_reduce/reduce_scatter via `reduce_op`) whose float
+  // Max/Min still propagates NaN: a NaN anywhere in the group is the result.
+  Value nan_propagating_collective(Value x, Reducer reducer, const std::function<Value(Value, Reducer)>& reduce_op);
   Value nan_propagating(const char* op, Value a, Value b);
   int next_id_ = 0;
   std::vector<TensorType> params_;

@@ -68,15 +68,27 @@ std::string Client::device_kind(size_t index) const {
   return std::string(args.device_kind, args.device_kind_size);
 }
 
+int64_t Client::device_id(size_t index) const {
+  auto id = PJRT_ARGS(PJRT_DeviceDescription_Id_Args);
+  id.device_description = description(*plugin_, device(index));
+  plugin_->check(plugin_->api()->PJRT_DeviceDescription_Id(&id), "PJRT_DeviceDescription_Id");
+  return id.id;
+}
+
+CompileOptions Client::replicated_options(CompileOptions options, const std::vector<size_t>& device_indices) const {
+  PJRT_CHECK(!device_indices.empty(), "a replicated program needs at least one device");
+  options.num_replicas = static_cast<int>(device_indices.size());
+  options.num_partitions = 1;
+  options.device_assignment.clear();
+  for (size_t index : device_indices) options.device_assignment.push_back({device_id(index)});
+  return options;
+}
+
 ExecutablePtr Client::compile(const std::string& text, const CompileOptions& options, size_t device_index) const {
   PJRT_Device* dev = device(device_index);
   CompileOptions opts = options;
-  if (opts.device_assignment.empty() && opts.num_replicas == 1 && opts.num_partitions == 1) {
-    auto id = PJRT_ARGS(PJRT_DeviceDescription_Id_Args);
-    id.device_description = description(*plugin_, dev);
-    plugin_->check(plugin_->api()->PJRT_DeviceDescription_Id(&id), "PJRT_DeviceDescription_Id");
-    opts.device_assignment = {{id.id}};
-  }
+  if (opts.device_assignment.empty() && opts.num_replicas == 1 && opts.num_partitions == 1)
+    opts.device_assignment = {{device_id(device_index)}};
   std::string serialized = opts.serialize();
   static const char kFormat[] = "mlir";
   auto program = PJRT_ARGS(PJRT_Program);

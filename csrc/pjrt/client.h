@@ -26,8 +26,16 @@ class Client {
   size_t device_count() const { return devices_.size(); }
   PJRT_Device* device(size_t index) const;
   std::string device_kind(size_t index) const;
+  // The plugin's global id of device `index` (what a device assignment lists).
+  int64_t device_id(size_t index) const;
 
+  // A program with options.num_replicas > 1 runs on the devices its
+  // options.device_assignment names (see compile_replicated); `device_index` is
+  // then only the executable's nominal device.
   ExecutablePtr compile(const std::string& stablehlo_text, const CompileOptions& options, size_t device_index = 0) const;
+  // `options` for one program run as one replica on each of `device_indices`
+  // (replica i on device_indices[i]): num_replicas and the device assignment.
+  CompileOptions replicated_options(CompileOptions options, const std::vector<size_t>& device_indices) const;
   ExecutablePtr deserialize(const std::string& bytes, size_t device_index = 0) const;
 
   // Copies `data` (row-major, dense) to a new buffer on `device_index`.

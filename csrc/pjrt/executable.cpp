@@ -1,5 +1,7 @@
 #include "pjrt/executable.h"
 
+#include <algorithm>
+
 #include "pjrt/error.h"
 
 namespace torch_pjrt::pjrt {
@@ -53,6 +55,61 @@ LoadedExecutable::Result LoadedExecutable::execute(const std::vector<Buffer*>& a
   result.outputs.reserve(num_outputs_);
   for (PJRT_Buffer* b : raw_outputs) result.outputs.push_back(std::make_shared<Buffer>(plugin_, b));
   if (done) result.done = std::make_unique<Event>(plugin_, done);
+  return result;
+}
+
+std::vector<PJRT_Device*> LoadedExecutable::addressable_devices() const {
+  auto args = PJRT_ARGS(PJRT_LoadedExecutable_AddressableDevices_Args);
+  args.executable = exe_;
+  plugin_->check(plugin_->api()->PJRT_LoadedExecutable_AddressableDevices(&args),
+                 "PJRT_LoadedExecutable_AddressableDevices");
+  return {args.addressable_devices, args.addressable_devices + args.num_addressable_devices};
+}
+
+LoadedExecutable::ReplicatedResult LoadedExecutable::execute_replicated(
+    const std::vector<std::vector<Buffer*>>& args, const std::vector<PJRT_Device*>& replica_devices) const {
+  // The plugin wants argument lists in its own device order; map replicas onto it.
+  std::vector<PJRT_Device*> order = addressable_devices();
+  PJRT_CHECK(args.size() == replica_devices.size() && order.size() == args.size(), "internal: ", args.size(),
+             " argument lists for a program on ", order.size(), " device(s)");
+  std::vector<size_t> replica_at(order.size());  // plugin position -> replica
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    auto it = std::find(replica_devices.begin(), replica_devices.end(), order[pos]);
+    PJRT_CHECK(it != replica_devices.end(), "internal: the program runs on a device no replica names");
+    replica_at[pos] = static_cast<size_t>(it - replica_devices.begin());
+  }
+  const size_t n = order.size();
+  std::vector<std::vector<PJRT_Buffer*>> raw_args(n);
+  std::vector<PJRT_Buffer* const*> arg_lists(n);
+  std::vector<std::vector<PJRT_Buffer*>> raw_outputs(n, std::vector<PJRT_Buffer*>(num_outputs_, nullptr));
+  std::vector<PJRT_Buffer**> output_lists(n);
+  std::vector<PJRT_Event*> done(n, nullptr);
+  for (size_t pos = 0; pos < n; ++pos) {
+    const auto& replica_args = args[replica_at[pos]];
+    PJRT_CHECK(replica_args.size() == args[0].size(), "internal: replicas take different argument counts");
+    for (Buffer* b : replica_args) raw_args[pos].push_back(b->raw());
+    arg_lists[pos] = raw_args[pos].data();
+    output_lists[pos] = raw_outputs[pos].data();
+  }
+  auto options = PJRT_ARGS(PJRT_ExecuteOptions);
+  auto exec = PJRT_ARGS(PJRT_LoadedExecutable_Execute_Args);
+  exec.executable = exe_;
+  exec.options = &options;
+  exec.argument_lists = arg_lists.data();
+  exec.num_devices = n;
+  exec.num_args = args[0].size();
+  exec.output_lists = output_lists.data();
+  exec.device_complete_events = done.data();
+  plugin_->check(plugin_->api()->PJRT_LoadedExecutable_Execute(&exec), "PJRT_LoadedExecutable_Execute");
+
+  ReplicatedResult result;
+  result.outputs.resize(n);
+  result.done.resize(n);
+  for (size_t pos = 0; pos < n; ++pos) {
+    size_t r = replica_at[pos];
+    for (PJRT_Buffer* b : raw_outputs[pos]) result.outputs[r].push_back(std::make_shared<Buffer>(plugin_, b));
+    if (done[pos]) result.done[r] = std::make_unique<Event>(plugin_, done[pos]);
+  }
   return result;
 }
 

@@ -18,6 +18,9 @@ class LoadedExecutable {
   LoadedExecutable& operator=(const LoadedExecutable&) = delete;
 
   size_t num_outputs() const { return num_outputs_; }
+  // The devices the plugin runs this program on, in its argument-list order
+  // (PJRT_LoadedExecutable_AddressableDevices): one per replica.
+  std::vector<PJRT_Device*> addressable_devices() const;
 
   struct Result {
     std::vector<BufferPtr> outputs;
@@ -26,6 +29,16 @@ class LoadedExecutable {
   // Enqueues one execution on the executable's device; returns at once.
   // `donated` lists argument indices whose buffers the program may consume.
   Result execute(const std::vector<Buffer*>& args, const std::vector<int64_t>& non_donatable = {}) const;
+
+  // One execution across several devices (a program compiled for N replicas):
+  // `args[i]` are replica i's arguments, placed on `replica_devices[i]`; the
+  // result lists outputs and completion events in the same replica order.
+  struct ReplicatedResult {
+    std::vector<std::vector<BufferPtr>> outputs;
+    std::vector<std::unique_ptr<Event>> done;
+  };
+  ReplicatedResult execute_replicated(const std::vector<std::vector<Buffer*>>& args,
+                                      const std::vector<PJRT_Device*>& replica_devices) const;
 
   // Bytes that DeserializeAndLoad on the same plugin version turns back into this.
   std::string serialize() const;
