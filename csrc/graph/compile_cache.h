@@ -62,7 +62,7 @@ class CompileCache {
 
   explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr,
                         int64_t max_loaded = kDefaultMaxLoaded);
-  // The program, compiled now if new (errors raise here); loaded on return.
+  // The program, compiled (and loaded) now if new, so compile errors raise here.
   ProgramPtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
   // The options a program of `effort` is compiled with (part of the cache key).
   pjrt::CompileOptions options(Effort effort) const;
