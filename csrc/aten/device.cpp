@@ -75,7 +75,7 @@ Runtime& runtime() {
       error = e.what();
     }
   });
-  TORCH_CHECK(rt.client, "the tpu device could not start: ", error);
+  TORCH_CHECK(rt.cache, "the tpu device could not start: ", error);  // made last: the runtime is complete
   return rt;
 }
 
