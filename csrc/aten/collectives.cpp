@@ -150,7 +150,7 @@ std::vector<at::Tensor> run_collective(const std::string& kind, const std::vecto
     args.push_back({held.back().get()});
     bytes += static_cast<int64_t>(held.back()->byte_count());
   }
-  pjrt::ExecutablePtr exe = compile_cache().get_or_compile_replicated(program.text, devices);
+  pjrt::ExecutablePtr exe = compile_cache().get_or_compile_replicated(program.text, devices)->executable();
   auto result = execute_in_order(*exe, args, replica_devices);
   ++graph::metrics().executions;
   ++graph::metrics().collectives_in_xla;
@@ -160,7 +160,7 @@ std::vector<at::Tensor> run_collective(const std::string& kind, const std::vecto
   for (size_t r = 0; r < inputs.size(); ++r) {
     at::Tensor out = at::empty(program.out_dims, inputs[r].options());
     install_buffer(storage_state(out.storage()), std::move(result.outputs[r][0]));
-    track(static_cast<int>(devices[r]), std::move(result.done[r]));
+    track(static_cast<int>(devices[r]), std::move(result.done[r]), exe);
     outputs.push_back(std::move(out));
   }
   return outputs;

@@ -68,13 +68,14 @@ Runtime& runtime() {
                                " " + c.device_kind(0);
         disk = std::make_unique<graph::DiskCache>(dir, identity, max_bytes);
       }
-      rt.cache = std::make_unique<graph::CompileCache>(rt.client, std::move(disk));
+      rt.cache = std::make_unique<graph::CompileCache>(rt.client, std::move(disk),
+                                                      graph::CompileCache::max_loaded_from_env());
       g_started = true;
     } catch (const std::exception& e) {
       error = e.what();
     }
   });
-  TORCH_CHECK(rt.client, "the tpu device could not start: ", error);
+  TORCH_CHECK(rt.cache, "the tpu device could not start: ", error);  // made last: the runtime is complete
   return rt;
 }
 
@@ -624,7 +625,7 @@ std::vector<DeviceContext*> started_device_contexts() {
   return contexts();
 }
 
-void track(int device, std::unique_ptr<pjrt::Event> done) {
+void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
   if (!done) return;
   if (mode() == Mode::Debug) {
     done->wait();
@@ -632,6 +633,7 @@ void track(int device, std::unique_ptr<pjrt::Event> done) {
   }
   auto work = std::make_shared<Work>();
   work->done = std::move(done);
+  work->program = std::move(program);
   // The callback touches only the stamp: it may run on a plugin thread.
   work->done->on_ready([finished = work->finished_ns] { finished->store(now_ns()); });
   DeviceContext& ctx = device_context(device);

@@ -15,6 +15,7 @@
 #include "aten/runtime_checks.h"
 #include "pjrt/buffer.h"
 #include "pjrt/event.h"
+#include "pjrt/executable.h"
 
 namespace torch_pjrt {
 
@@ -26,6 +27,8 @@ struct CompiledGraph;  // fused_graph.cpp
 // plugin's completion callback stamps when it finished (Event timing).
 struct Work {
   std::unique_ptr<pjrt::Event> done;
+  // The program's executable, alive while it runs even if the compile cache unloads it.
+  pjrt::ExecutablePtr program;
   // 0: not yet. Shared with the callback, which may outlive this Work.
   std::shared_ptr<std::atomic<int64_t>> finished_ns = std::make_shared<std::atomic<int64_t>>(0);
 };
@@ -61,8 +64,8 @@ std::vector<DeviceContext*> started_device_contexts();
 // Made by fused_graph.cpp (where PendingGraph is complete).
 std::shared_ptr<PendingGraph> make_pending_graph();
 
-// Keeps a program's completion event in its device's in-flight list.
-void track(int device, std::unique_ptr<pjrt::Event> done);
+// Keeps a program's completion event (and its executable) in its device's in-flight list.
+void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
 // The device's in-flight work now (an Event's snapshot).
 std::vector<std::shared_ptr<Work>> in_flight_work(int device);
 // Empties the device's in-flight list and returns it (synchronize waits on it).

@@ -971,7 +971,7 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
     flats.push_back(lowering::check_status(b, ctx.checks));
     cached.checks = check_infos_of(call, ctx.checks);
   }
-  cached.exe = compile_cache().get_or_compile(b.finish(flats), call.device, effort);
+  cached.program = compile_cache().get_or_compile(b.finish(flats), call.device, effort);
 }
 
 // Fused modes: learns the op's operand order without compiling anything.
@@ -1009,6 +1009,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   std::vector<pjrt::BufferPtr> holders(cached.operands.size());
   for (size_t i = 0; i < holders.size(); ++i)  // uploads and RNG draws need no lock
     if (cached.operands[i].kind != OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
+  pjrt::ExecutablePtr exe = cached.program->executable();  // loaded again if unloaded, before the lock
   pjrt::LoadedExecutable::Result result;
   std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
   ProfileScope profile([&] { return std::pair{"torch_pjrt::execute(" + op_name(call.schema) + ")", op_name(call.schema)}; });
@@ -1021,7 +1022,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       if (cached.operands[i].kind == OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
       buffers.push_back(holders[i].get());
     }
-    result = cached.exe->execute(buffers);
+    result = exe->execute(buffers);
     size_t produced = 0;
     for (const at::Tensor& t : outs) {
       if (!t.defined()) continue;
@@ -1034,7 +1035,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   ++metrics().executions;
   graph::count_lowered_op(op_name(call.schema));
   if (profile.active() && result.done) result.done->wait();
-  track(call.device, std::move(result.done));
+  track(call.device, std::move(result.done), std::move(exe));
   if (mode() == Mode::Debug) raise_failed_checks(call.device);  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);
@@ -1273,11 +1274,11 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   }
   bool fused = mode() == Mode::Fused || mode() == Mode::Lazy;
   // The user's line for a recompile note: taken before the lock, as it takes the GIL.
-  graph::SourceLocation location = !fused && !cached->exe ? graph::capture_source_location() : 0;
+  graph::SourceLocation location = !fused && !cached->program ? graph::capture_source_location() : 0;
   try {
     std::lock_guard<std::mutex> lock(ctx.op_cache_mutex);
     if (fused && !cached->operands_known) learn_operands(call, *cached);
-    if (!fused && !cached->exe) compile_alone(call, *cached, location);
+    if (!fused && !cached->program) compile_alone(call, *cached, location);
   } catch (const lowering::Unsupported& e) {
     cached->unsupported = e.what();
   } catch (const pjrt::Error& e) {

@@ -66,7 +66,7 @@ struct PendingGraph {
 std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
 
 struct CompiledGraph {
-  pjrt::ExecutablePtr exe;
+  graph::ProgramPtr program;
   std::atomic<bool> ran_once{false};  // a run of it completed without error
   // Runtime checks of all ops, one status after the live outputs (null: none).
   CheckInfos checks;
@@ -282,7 +282,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   metrics().graph_lowering_seconds += took.count();
   try {
-    compiled->exe = compile_cache().get_or_compile(program, g.device);
+    compiled->program = compile_cache().get_or_compile(program, g.device);
   } catch (const std::exception& e) {
     if (auto op = first_op_failing_to_compile(g)) throw OpFailure(*op, e.what());
     throw;
@@ -480,7 +480,8 @@ void run_graph(PendingGraph& g) {
     // a failure the plugin reports asynchronously is still undone here.
     bool first_run = !compiled->ran_once.load();
     ProfileScope profile([&] { return graph_profile(g, "execute"); });
-    auto result = compiled->exe->execute(buffers);
+    pjrt::ExecutablePtr exe = compiled->program->executable();
+    auto result = exe->execute(buffers);
     if ((first_run || profile.active()) && result.done) {
       result.done->wait();
       compiled->ran_once = true;
@@ -499,7 +500,7 @@ void run_graph(PendingGraph& g) {
     ++metrics().graphs;
     int device = g.device;
     clear_graph(g);
-    track(device, std::move(result.done));
+    track(device, std::move(result.done), std::move(exe));
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
@@ -776,7 +777,8 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   }
   std::vector<pjrt::Buffer*> raw;
   for (const auto& b : operands) raw.push_back(b.get());
-  auto result = plan.compiled->exe->execute(raw);
+  pjrt::ExecutablePtr exe = plan.compiled->program->executable();
+  auto result = exe->execute(raw);
   size_t live_count = plan.live_input.size();
   std::vector<c10::Storage> fresh(live_count);
   for (size_t k = 0; k < live_count; ++k) {
@@ -798,7 +800,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   ++metrics().graphs;
   ++metrics().graph_cache_hits;
   ++metrics().compiled_replays;
-  track(device, std::move(result.done));
+  track(device, std::move(result.done), std::move(exe));
   static const c10::DispatchKeySet keys = at::empty({0}, at::TensorOptions().device(kTpu)).key_set();
   std::vector<std::optional<at::Tensor>> outs;
   for (const ReplayOutput& r : plan.outputs) {

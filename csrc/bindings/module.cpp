@@ -123,6 +123,14 @@ PYBIND11_MODULE(_C, m) {
     d["disk_cache_corrupt"] = s.disk_cache_corrupt.get();
     d["disk_cache_evictions"] = s.disk_cache_evictions.get();
     d["disk_cache_load_seconds"] = s.disk_cache_load_seconds.get();
+    // Loaded programs now (a gauge, not reset): the cache's, bounded by
+    // TORCH_PJRT_MAX_LOADED_PROGRAMS, and every executable alive (those also held by running work).
+    bool started = runtime_started() && !in_bad_fork();
+    d["programs_loaded"] = started ? compile_cache().loaded() : 0;
+    d["executables_alive"] = pjrt::LoadedExecutable::alive();
+    d["max_loaded_programs"] = started ? compile_cache().max_loaded() : graph::CompileCache::max_loaded_from_env();
+    d["programs_unloaded"] = s.programs_unloaded.get();
+    d["programs_reloaded"] = s.programs_reloaded.get();
     d["graph_lowering_seconds"] = s.graph_lowering_seconds.get();
     d["op_cache_hits"] = s.op_cache_hits.get();
     d["op_cache_misses"] = s.op_cache_misses.get();

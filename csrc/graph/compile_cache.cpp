@@ -87,26 +87,51 @@ pjrt::CompileOptions CompileCache::options(Effort effort) const {
   return options;
 }
 
-pjrt::ExecutablePtr CompileCache::get_or_compile(const std::string& program, size_t device_index, Effort effort) {
+int64_t CompileCache::max_loaded_from_env() {
+  const char* env = std::getenv("TORCH_PJRT_MAX_LOADED_PROGRAMS");
+  if (!env || !*env) return kDefaultMaxLoaded;
+  char* end = nullptr;
+  long long n = std::strtoll(env, &end, 10);
+  if (*end || n < 1)
+    throw pjrt::Error("TORCH_PJRT_MAX_LOADED_PROGRAMS must be a positive integer, got '" + std::string(env) + "'");
+  return n;
+}
+
+CompileCache::CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk, int64_t max_loaded)
+    : client_(std::move(client)), disk_(std::move(disk)), max_loaded_(std::max<int64_t>(max_loaded, 1)) {}
+
+pjrt::ExecutablePtr Program::executable() { return cache_.executable(*this); }
+
+bool Program::loaded() const {
+  std::lock_guard<std::mutex> lock(cache_.mutex_);
+  return exe_ != nullptr;
+}
+
+ProgramPtr CompileCache::get_or_compile(const std::string& program, size_t device_index, Effort effort) {
   // The serialized compile options are part of the key: the same program
   // built for other replicas or partitions, or optimized less, is another
   // executable.
-  pjrt::CompileOptions compile_options = options(effort);
-  std::string key = std::to_string(device_index) + "\n" + compile_options.serialize() + "\n" + program;
-  return find_or_build(std::move(key), program, compile_options, device_index);
+  std::string prefix = std::to_string(device_index) + "\n" + options(effort).serialize() + "\n";
+  size_t text_offset = prefix.size();
+  return find_or_add(prefix + program, text_offset, device_index, effort, {});
 }
 
-pjrt::ExecutablePtr CompileCache::get_or_compile_replicated(const std::string& program,
-                                                            const std::vector<size_t>& device_indices) {
-  pjrt::CompileOptions compile_options = client_->replicated_options(options(Effort::Full), device_indices);
-  std::string key = "replicas";
-  for (size_t index : device_indices) key += " " + std::to_string(index);
-  key += "\n" + compile_options.serialize() + "\n" + program;
-  return find_or_build(std::move(key), program, compile_options, device_indices.at(0));
+ProgramPtr CompileCache::get_or_compile_replicated(const std::string& program,
+                                                   const std::vector<size_t>& device_indices) {
+  std::string prefix = "replicas";
+  for (size_t index : device_indices) prefix += " " + std::to_string(index);
+  prefix += "\n" + client_->replicated_options(options(Effort::Full), device_indices).serialize() + "\n";
+  size_t text_offset = prefix.size();
+  return find_or_add(prefix + program, text_offset, device_indices.at(0), Effort::Full, device_indices);
 }
 
-pjrt::ExecutablePtr CompileCache::find_or_build(std::string key, const std::string& program,
-                                                const pjrt::CompileOptions& compile_options, size_t device_index) {
+pjrt::CompileOptions CompileCache::options_of(const Program& p) const {
+  pjrt::CompileOptions base = options(p.effort_);
+  return p.replicas_.empty() ? base : client_->replicated_options(base, p.replicas_);
+}
+
+ProgramPtr CompileCache::find_or_add(std::string key, size_t text_offset, size_t device_index, Effort effort,
+                                     std::vector<size_t> replicas) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
@@ -115,12 +140,55 @@ pjrt::ExecutablePtr CompileCache::find_or_build(std::string key, const std::stri
       return it->second;
     }
   }
+  ProgramPtr p(new Program(*this, std::move(key), text_offset, device_index, effort, std::move(replicas)));
+  pjrt::ExecutablePtr exe = load(*p, /*reload=*/false);
+  std::vector<pjrt::ExecutablePtr> unloaded;  // destroyed after the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto [it, fresh] = entries_.emplace(std::string_view(p->key_), p);
+  if (fresh) install(*p, std::move(exe), unloaded);  // else another thread compiled it too: use theirs
+  return it->second;
+}
+
+pjrt::ExecutablePtr CompileCache::executable(Program& p) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (p.exe_) {
+      lru_.splice(lru_.begin(), lru_, p.lru_);
+      return p.exe_;
+    }
+  }
+  pjrt::ExecutablePtr exe = load(p, /*reload=*/true);
+  std::vector<pjrt::ExecutablePtr> unloaded;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return install(p, std::move(exe), unloaded);
+}
+
+pjrt::ExecutablePtr CompileCache::install(Program& p, pjrt::ExecutablePtr exe,
+                                          std::vector<pjrt::ExecutablePtr>& unloaded) {
+  if (p.exe_) {  // another thread reloaded it meanwhile
+    lru_.splice(lru_.begin(), lru_, p.lru_);
+    return p.exe_;
+  }
+  // The list owns the program: one a plan holds stays unloadable after clear().
+  p.exe_ = std::move(exe);
+  lru_.push_front(p.shared_from_this());
+  p.lru_ = lru_.begin();
+  while (lru_.size() > static_cast<size_t>(max_loaded_)) {
+    Program& old = *lru_.back();
+    unloaded.push_back(std::move(old.exe_));
+    lru_.pop_back();
+    ++metrics().programs_unloaded;
+  }
+  return p.exe_;
+}
+
+pjrt::ExecutablePtr CompileCache::load(const Program& p, bool reload) {
   pjrt::ExecutablePtr exe;
   if (disk_) {
     auto start = std::chrono::steady_clock::now();
-    if (auto bytes = disk_->load(key)) {
+    if (auto bytes = disk_->load(p.key_)) {
       try {
-        exe = client_->deserialize(*bytes, device_index);
+        exe = client_->deserialize(*bytes, p.device_index_);
       } catch (const pjrt::Error&) {
         ++metrics().disk_cache_corrupt;  // verified bytes the plugin still rejects: rebuild
       }
@@ -129,22 +197,31 @@ pjrt::ExecutablePtr CompileCache::find_or_build(std::string key, const std::stri
     metrics().disk_cache_load_seconds += took.count();
   }
   if (!exe) {
-    dump_program(program);
+    std::string text(p.text());
+    if (!reload) dump_program(text);
     auto start = std::chrono::steady_clock::now();
-    exe = client_->compile(program, compile_options, device_index);
+    exe = client_->compile(text, options_of(p), p.device_index_);
     std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     ++metrics().compiles;
     metrics().compile_seconds += took.count();
     if (disk_) {
       try {
-        disk_->store(key, exe->serialize());
+        disk_->store(p.key_, exe->serialize());
       } catch (const pjrt::Error&) {
         // A plugin that cannot serialize still runs; it just recompiles next time.
       }
     }
   }
+  if (reload) ++metrics().programs_reloaded;
+  return exe;
+}
+
+void CompileCache::clear() {
+  std::vector<pjrt::ExecutablePtr> unloaded;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mutex_);
-  return entries_.emplace(std::move(key), exe).first->second;
+  for (ProgramPtr& p : lru_) unloaded.push_back(std::move(p->exe_));
+  lru_.clear();
+  entries_.clear();
 }
 
 }  // namespace torch_pjrt::graph

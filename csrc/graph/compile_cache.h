@@ -1,10 +1,18 @@
 // The compile cache every mode shares: programs keyed by their StableHLO
 // text (and device), first in memory, then on disk when a directory is set
 // (TORCH_PJRT_CACHE_DIR), else compiled and written to both.
+//
+// Loaded executables are bounded: XLA:CPU maps about 3-4 memory regions per
+// loaded executable and a process may hold vm.max_map_count (65530), so past
+// `max_loaded` programs the least recently used one is unloaded. Its Program
+// keeps the text, and executable() loads it again (disk tier, else compile).
 #pragma once
+#include <cstdint>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -18,32 +26,80 @@ namespace torch_pjrt::graph {
 // level costs microseconds per run.
 enum class Effort { Full, Quick };
 
+class CompileCache;
+
+// One program of the cache: what every plan that runs it holds. Thread safe.
+class Program : public std::enable_shared_from_this<Program> {
+ public:
+  // The loaded executable (loaded again if it was unloaded), now the most
+  // recently used. The caller keeps the pointer until every execution it
+  // enqueued finished: unloading only drops the cache's reference.
+  pjrt::ExecutablePtr executable();
+  bool loaded() const;
+
+ private:
+  friend class CompileCache;
+  Program(CompileCache& cache, std::string key, size_t text_offset, size_t device_index, Effort effort,
+          std::vector<size_t> replicas)
+      : cache_(cache), key_(std::move(key)), text_offset_(text_offset), device_index_(device_index), effort_(effort),
+        replicas_(std::move(replicas)) {}
+  std::string_view text() const { return std::string_view(key_).substr(text_offset_); }
+  CompileCache& cache_;  // outlives its programs (the process's cache is never destroyed)
+  const std::string key_;  // device + compile options + text
+  const size_t text_offset_;
+  const size_t device_index_;
+  const Effort effort_;
+  const std::vector<size_t> replicas_;  // empty: one device; else one replica on each (collectives)
+  // Guarded by the cache's mutex. Loaded: exe_ is set and lru_ is its place in the cache's list.
+  pjrt::ExecutablePtr exe_;
+  std::list<std::shared_ptr<Program>>::iterator lru_;
+};
+using ProgramPtr = std::shared_ptr<Program>;
+
 class CompileCache {
  public:
-  explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr)
-      : client_(std::move(client)), disk_(std::move(disk)) {}
-  pjrt::ExecutablePtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
+  // TORCH_PJRT_MAX_LOADED_PROGRAMS, else this: ~3.75 maps each keeps ~15K of
+  // the 65530 maps for programs, the rest for the process.
+  static constexpr int64_t kDefaultMaxLoaded = 4096;
+  static int64_t max_loaded_from_env();
+
+  explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr,
+                        int64_t max_loaded = kDefaultMaxLoaded);
+  // The program, compiled (and loaded) now if new, so compile errors raise here.
+  ProgramPtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
   // One program run as a replica on each of `device_indices` (collectives
   // across devices); the key holds the device set and its order.
-  pjrt::ExecutablePtr get_or_compile_replicated(const std::string& program, const std::vector<size_t>& device_indices);
+  ProgramPtr get_or_compile_replicated(const std::string& program, const std::vector<size_t>& device_indices);
   // The options a program of `effort` is compiled with (part of the cache key).
   pjrt::CompileOptions options(Effort effort) const;
   size_t size() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return entries_.size();
   }
-  void clear() {
+  size_t loaded() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    entries_.clear();
+    return lru_.size();
   }
+  int64_t max_loaded() const { return max_loaded_; }
+  void clear();
 
  private:
-  pjrt::ExecutablePtr find_or_build(std::string key, const std::string& program,
-                                    const pjrt::CompileOptions& compile_options, size_t device_index);
+  friend class Program;
+  ProgramPtr find_or_add(std::string key, size_t text_offset, size_t device_index, Effort effort,
+                         std::vector<size_t> replicas);
+  pjrt::CompileOptions options_of(const Program& p) const;
+  pjrt::ExecutablePtr load(const Program& p, bool reload);  // disk tier, else compile; no lock held
+  pjrt::ExecutablePtr executable(Program& p);
+  // Makes `exe` p's executable (unless another thread loaded it first) and
+  // unloads the least recently used programs past the bound into `unloaded`.
+  pjrt::ExecutablePtr install(Program& p, pjrt::ExecutablePtr exe, std::vector<pjrt::ExecutablePtr>& unloaded);
+
   std::shared_ptr<pjrt::Client> client_;
   std::unique_ptr<DiskCache> disk_;
-  mutable std::mutex mutex_;  // guards entries_; compiles run outside it (a race compiles twice, harmlessly)
-  std::unordered_map<std::string, pjrt::ExecutablePtr> entries_;  // key: device + program
+  const int64_t max_loaded_;
+  mutable std::mutex mutex_;  // guards entries_ and every Program's loaded state; compiles run outside it
+  std::unordered_map<std::string_view, ProgramPtr> entries_;  // key: its Program's key_
+  std::list<ProgramPtr> lru_;  // loaded programs, most recently used first
 };
 
 }  // namespace torch_pjrt::graph

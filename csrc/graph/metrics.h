@@ -49,6 +49,8 @@ struct Metrics {
   Count disk_cache_writes;
   Count disk_cache_corrupt;  // entries that failed to verify (rebuilt)
   Count disk_cache_evictions;
+  Count programs_unloaded;  // executables unloaded past TORCH_PJRT_MAX_LOADED_PROGRAMS (least recently used)
+  Count programs_reloaded;  // unloaded programs loaded again (disk tier, else compiled: counted there too)
   Seconds disk_cache_load_seconds;  // reading and deserializing executables
   Seconds graph_lowering_seconds;   // fused graphs lowered to StableHLO (cache misses by structure)
   Count op_cache_hits;       // op signature seen before: no lowering at all

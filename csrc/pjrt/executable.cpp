@@ -1,10 +1,17 @@
 #include "pjrt/executable.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "pjrt/error.h"
 
 namespace torch_pjrt::pjrt {
+
+namespace {
+std::atomic<int64_t> g_alive{0};
+}  // namespace
+
+int64_t LoadedExecutable::alive() { return g_alive.load(std::memory_order_relaxed); }
 
 LoadedExecutable::LoadedExecutable(std::shared_ptr<Plugin> plugin, PJRT_Device* device, PJRT_LoadedExecutable* exe)
     : plugin_(std::move(plugin)), device_(device), exe_(exe) {
@@ -19,9 +26,11 @@ LoadedExecutable::LoadedExecutable(std::shared_ptr<Plugin> plugin, PJRT_Device* 
   auto destroy = PJRT_ARGS(PJRT_Executable_Destroy_Args);
   destroy.executable = get.executable;
   plugin_->check(api->PJRT_Executable_Destroy(&destroy), "PJRT_Executable_Destroy");
+  ++g_alive;
 }
 
 LoadedExecutable::~LoadedExecutable() {
+  --g_alive;
   if (in_forked_child()) return;
   auto args = PJRT_ARGS(PJRT_LoadedExecutable_Destroy_Args);
   args.executable = exe_;

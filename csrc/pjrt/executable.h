@@ -1,5 +1,6 @@
 // A compiled program loaded on the client's devices (owned).
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,9 @@ class LoadedExecutable {
 
   // Bytes that DeserializeAndLoad on the same plugin version turns back into this.
   std::string serialize() const;
+
+  // Executables alive in the process now (each holds memory maps of its JIT code).
+  static int64_t alive();
 
  private:
   std::shared_ptr<Plugin> plugin_;

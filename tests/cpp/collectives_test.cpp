@@ -37,7 +37,7 @@ std::vector<std::vector<float>> run(const CollectiveSpec& spec, const std::vecto
   int64_t count = 1, out_count = 1;
   for (int64_t d : spec.dims) count *= d;
   for (int64_t d : program.out_dims) out_count *= d;
-  pjrt::ExecutablePtr exe = cache ? cache->get_or_compile_replicated(program.text, devices)
+  pjrt::ExecutablePtr exe = cache ? cache->get_or_compile_replicated(program.text, devices)->executable()
                                   : client()->compile(program.text, client()->replicated_options({}, devices));
   std::vector<pjrt::BufferPtr> inputs;
   std::vector<std::vector<pjrt::Buffer*>> args;

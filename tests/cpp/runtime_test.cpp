@@ -219,7 +219,7 @@ TEST(CompileCache, DiskTierWarmStartCorruptionAndIdentity) {
   auto run = [&](graph::CompileCache& cache) {
     float in[3] = {1, 2, 3};
     auto buf = client()->buffer_from_host(in, ElementType::F32, {3});
-    auto result = cache.get_or_compile(program, 0)->execute({buf.get()});
+    auto result = cache.get_or_compile(program, 0)->executable()->execute({buf.get()});
     result.done->wait();
     return read<float>(*result.outputs[0]);
   };
