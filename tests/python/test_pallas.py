@@ -140,7 +140,10 @@ def test_pallas_kernels_in_a_model_match_pytorch(how):
         for _ in range(2):  # the second compiled call replays
             for p in dev.parameters():
                 p.grad = None
+            replays = torch_pjrt.metrics()["compiled_replays"]
             actual = _loss_and_grads(dev, x.to(DEVICE), compiled=how == "compiled")
+        if how == "compiled":  # forward and backward programs, each with its Pallas kernels, replayed
+            assert torch_pjrt.metrics()["compiled_replays"] - replays == 2, torch_pjrt._C._replay_refusal()
         torch.testing.assert_close(actual[0].detach().cpu(), expected[0].detach(), **TOL)
         torch.testing.assert_close(actual[1].cpu(), expected[1], **TOL)
         for name, g in expected[2].items():
