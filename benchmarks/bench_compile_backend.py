@@ -27,8 +27,11 @@ from bench_fused import GPT, gpt_setup, gpt_small_batch_setup, step_time  # noqa
 median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731 - a 2-core machine has noisy neighbours
 
 
-def jax_step_time(setup, steps):
-    """The same step as one jax.jit program (jax_gpt.py), from the same initial weights; None without jax."""
+def jax_step_time(setup, steps, on_plugin=False):
+    """The same step as one jax.jit program (jax_gpt.py), from the same initial weights; None without jax.
+
+    on_plugin: the same jax program compiled and run by torch_pjrt's PJRT plugin (through jax_op)
+    instead of jax's own XLA:CPU, which is a different XLA build."""
     try:
         import jax  # noqa: F401
     except ImportError:
@@ -37,7 +40,8 @@ def jax_step_time(setup, steps):
 
     torch.manual_seed(0)
     model, x, y = setup("cpu")
-    trainer = jax_gpt.JaxTrainer(model, x, y, layers=len(model.blocks), heads=model.blocks[0].heads)
+    trainer_type = jax_gpt.PluginTrainer if on_plugin else jax_gpt.JaxTrainer
+    trainer = trainer_type(model, x, y, layers=len(model.blocks), heads=model.blocks[0].heads)
     for _ in range(2):  # compile
         trainer.step()
     times, thread = [], []
@@ -191,7 +195,12 @@ def main():
         else:
             print(f"{'jax.jit':14s} {jax_time * 1e3:9.1f} ms/step  {cpu / jax_time:5.2f}x cpu eager; "
                   f"compiled / jax.jit = {compiled / jax_time:.2f} (goal <= 1.1), fused / jax.jit = "
-                  f"{times['fused'] / jax_time:.2f}")
+                  f"{times['fused'] / jax_time:.2f}  (jax's own XLA:CPU)")
+            with torch_pjrt.mode("fused"):
+                plugin_time = jax_step_time(setup, steps, on_plugin=True)
+            print(f"{'jax on plugin':14s} {plugin_time * 1e3:9.1f} ms/step  {cpu / plugin_time:5.2f}x cpu eager; "
+                  f"compiled / it = {compiled / plugin_time:.2f}, fused / it = {times['fused'] / plugin_time:.2f}  "
+                  "(the same jax program run by torch_pjrt's plugin: same XLA as compiled)")
     host_overhead()
 
 

@@ -50,8 +50,15 @@ def gpt_loss(p, idx, targets, layers, heads):
     return -jnp.take_along_axis(logp, targets.reshape(-1, 1), axis=1).mean()
 
 
-def make_train_step(layers=4, heads=4, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+def make_train_step(layers=4, heads=4, **adamw):
     """jit(step)(params, m, v, count, idx, targets) -> (params, m, v, count, loss); buffers donated."""
+    import jax
+
+    return jax.jit(train_step_fn(layers, heads, **adamw), donate_argnums=(0, 1, 2, 3))
+
+
+def train_step_fn(layers=4, heads=4, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    """step(params, m, v, count, idx, targets) -> (params, m, v, count, loss), not jitted."""
     import jax
     import jax.numpy as jnp
 
@@ -70,7 +77,7 @@ def make_train_step(layers=4, heads=4, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, we
         p = jax.tree_util.tree_map(update, p, m, v)
         return p, m, v, count, loss
 
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3))
+    return step
 
 
 class JaxTrainer:
@@ -91,6 +98,35 @@ class JaxTrainer:
         self.p, self.m, self.v, self.count, loss = self._step(self.p, self.m, self.v, self.count, self.idx,
                                                               self.targets)
         return float(loss)
+
+
+class PluginTrainer:
+    """The same jax step run by torch_pjrt's PJRT plugin: jax lowers it, torch_pjrt.jax_op runs the
+    StableHLO as one program on tpu tensors. Same program as jax.jit, but compiled and run by the
+    plugin's XLA, so it isolates what the torch.compile path adds from what the XLA builds differ in."""
+
+    def __init__(self, model, idx, targets, layers=4, heads=4):
+        import torch_pjrt
+
+        self.names = [name for name, _ in model.named_parameters()]
+        n = len(self.names)
+        step = train_step_fn(layers, heads)
+
+        def flat_step(*xs):
+            p, m, v = (dict(zip(self.names, xs[i * n:(i + 1) * n])) for i in range(3))
+            p, m, v, count, loss = step(p, m, v, xs[3 * n], xs[3 * n + 1], xs[3 * n + 2])
+            return tuple(d[k] for d in (p, m, v) for k in self.names) + (count, loss)
+
+        self.op = torch_pjrt.jax_op("bench_jax_gpt::train_step_%d_%d" % (layers, id(self)), flat_step)
+        params = [p.detach().to("tpu") for p in model.parameters()]
+        self.state = params + [torch.zeros_like(p) for p in params] * 2 + [torch.zeros((), device="tpu")]
+        self.data = [idx.to(torch.int32).to("tpu"), targets.to(torch.int32).to("tpu")]
+
+    def step(self) -> float:
+        with torch.no_grad():
+            outs = self.op(*self.state, *self.data)
+        self.state = list(outs[:-1])
+        return outs[-1].item()
 
 
 def check_matches_pytorch(setup, steps=3):
