@@ -1,8 +1,11 @@
 """torch.compile(backend="tpu") benchmark: the GPT training step of bench_fused.py
 (4 layers, width 256, batch 4, sequence 128, AdamW) compiled vs fused vs strict vs
 PyTorch CPU eager vs the same step as one jax.jit program (if jax is installed),
-side by side in one run; then the same at batch 1, sequence 16 (host-bound), and
-the XLA programs per compiled step. Then host overhead: fused recording per op
+side by side in one run, measured round-robin (one step of each in turn, so a
+busy machine slows every column alike); then the same at batch 1, sequence 16
+(host-bound), and the XLA programs per compiled step. "jax on plugin" is the
+same jax program run by torch_pjrt's PJRT plugin (through jax_op): the same XLA
+build as the compiled column, unlike jax's own XLA:CPU. Then host overhead: fused recording per op
 against PyTorch CPU eager's whole cost per op on tiny tensors, and a compiled
 step's host overhead (the same step on a GPT whose math takes microseconds).
 
@@ -103,6 +106,85 @@ def compiled_step_time(setup, steps):
         return median(times), median(host), programs, replays
 
 
+def eager_stepper(setup, device, mode):
+    """A training step of the model in this mode (PyTorch's own CPU eager for device "cpu")."""
+    with torch_pjrt.mode(mode):
+        torch.manual_seed(0)
+        model, x, y = setup(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        with torch_pjrt.mode(mode):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+    return step
+
+
+def compiled_stepper(setup):
+    """The compiled training step (see compiled_step_time); (step, XLA programs per step, replayed)."""
+    torch._dynamo.reset()
+    with torch_pjrt.mode("fused"):
+        torch.manual_seed(0)
+        model, x, y = setup("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+
+        @torch.compile(backend="tpu")
+        def loss_of(x, y):
+            return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+
+        opt_step = torch.compile(opt.step, backend="tpu")
+
+    def step():
+        with torch_pjrt.mode("fused"):
+            opt.zero_grad()
+            loss = loss_of(x, y)
+            loss.backward()
+            opt_step()
+            return loss.item()
+
+    for _ in range(3):  # compile (the first AdamW step differs from later ones)
+        step()
+    before = torch_pjrt.metrics()
+    step()
+    after = torch_pjrt.metrics()
+    return step, after["executions"] - before["executions"], after["compiled_replays"] - before["compiled_replays"]
+
+
+def interleaved_step_times(setup, steps):
+    """Median step time per way of running the step, measured round-robin (one step of each in
+    turn), so that load from other processes hits every column alike."""
+    steppers = {"cpu eager": eager_stepper(setup, "cpu", "strict")}
+    for mode in ("strict", "fused"):
+        steppers["tpu " + mode] = eager_stepper(setup, "tpu", mode)
+    steppers["tpu compiled"], programs, replays = compiled_stepper(setup)
+    try:
+        import jax  # noqa: F401
+        import jax_gpt
+
+        for name, trainer_type in (("jax.jit", jax_gpt.JaxTrainer), ("jax on plugin", jax_gpt.PluginTrainer)):
+            torch.manual_seed(0)
+            model, x, y = setup("cpu")
+            with torch_pjrt.mode("fused"):
+                trainer = trainer_type(model, x, y, layers=len(model.blocks), heads=model.blocks[0].heads)
+            steppers[name] = trainer.step
+    except ImportError:
+        pass
+    for step in steppers.values():  # compile / warm up
+        step()
+        step()
+    times = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: median(t) for name, t in times.items()}, programs, replays
+
+
 def tiny_gpt_setup(device):
     """The GPT's 4 layers and op sequence at width 16, batch 1, sequence 8: its math takes
     microseconds, so a step's time is its host overhead (plus a few tiny program runs)."""
@@ -176,31 +258,20 @@ def main():
     print("platform:", torch_pjrt.platform())
     for name, setup, steps in [("GPT 4x256, batch 4, seq 128", gpt_setup, 7),
                                ("GPT 4x256, batch 1, seq 16 (host-bound)", gpt_small_batch_setup, 15)]:
-        print(f"\n== {name}: training step (forward, backward, AdamW) ==")
-        cpu = step_time(setup, "cpu", "strict", steps)
-        print(f"{'cpu eager':14s} {cpu * 1e3:9.1f} ms/step")
-        times = {}
-        for mode in ("strict", "fused"):
-            times[mode] = step_time(setup, "tpu", mode, steps)
-            print(f"{'tpu ' + mode:14s} {times[mode] * 1e3:9.1f} ms/step  {cpu / times[mode]:5.2f}x cpu eager")
-        compiled, host, programs, replays = compiled_step_time(setup, steps)
-        print(f"{'tpu compiled':14s} {compiled * 1e3:9.1f} ms/step  {cpu / compiled:5.2f}x cpu eager  "
-              f"({programs} XLA programs per step, {replays} of them replayed; {host * 1e3:.1f} ms until all "
-              "are enqueued: on the CPU plugin this includes running them)")
-        print(f"compiled vs fused: {times['fused'] / compiled:.2f}x faster; vs strict: "
-              f"{times['strict'] / compiled:.2f}x faster")
-        jax_time = jax_step_time(setup, steps)
-        if jax_time is None:
-            print("jax.jit: jax is not installed (pip install jax) - no baseline")
+        print(f"\n== {name}: training step (forward, backward, AdamW), measured round-robin ==")
+        times, programs, replays = interleaved_step_times(setup, steps)
+        cpu, compiled = times["cpu eager"], times["tpu compiled"]
+        for column, t in times.items():
+            print(f"{column:14s} {t * 1e3:9.1f} ms/step  {cpu / t:5.2f}x cpu eager  compiled is "
+                  f"{t / compiled:5.2f}x faster")
+        print(f"compiled: {programs} XLA programs per step, {replays} of them replayed")
+        if "jax.jit" in times:
+            print(f"compiled / jax.jit = {compiled / times['jax.jit']:.2f} (goal <= 1.1; jax's own XLA:CPU build), "
+                  f"compiled / jax on plugin = {compiled / times['jax on plugin']:.2f} (the same jax program "
+                  "compiled and run by torch_pjrt's plugin); compiled vs fused: "
+                  f"{times['tpu fused'] / compiled:.2f}x faster (goal >= 1.3)")
         else:
-            print(f"{'jax.jit':14s} {jax_time * 1e3:9.1f} ms/step  {cpu / jax_time:5.2f}x cpu eager; "
-                  f"compiled / jax.jit = {compiled / jax_time:.2f} (goal <= 1.1), fused / jax.jit = "
-                  f"{times['fused'] / jax_time:.2f}  (jax's own XLA:CPU)")
-            with torch_pjrt.mode("fused"):
-                plugin_time = jax_step_time(setup, steps, on_plugin=True)
-            print(f"{'jax on plugin':14s} {plugin_time * 1e3:9.1f} ms/step  {cpu / plugin_time:5.2f}x cpu eager; "
-                  f"compiled / it = {compiled / plugin_time:.2f}, fused / it = {times['fused'] / plugin_time:.2f}  "
-                  "(the same jax program run by torch_pjrt's plugin: same XLA as compiled)")
+            print("jax.jit: jax is not installed (pip install jax) - no baseline")
     host_overhead()
 
 
