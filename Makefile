@@ -6,6 +6,9 @@ BUILD ?= build
 # models in the tests, nothing downloaded), a compiler cache.
 deps:
 	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers accelerate setuptools
+	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
+	# It needs numpy>=2 and scipy, nothing torch pins.
+	$(PY) -m pip install -q jax==0.10.2
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
 	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
 	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \

@@ -54,6 +54,10 @@ struct PendingGraph {
   std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
   std::vector<int> operand_storage;       // per operand: the storage id it is the buffer of, or -1
   std::vector<int> operand_kind;          // per operand: its OperandRef::Kind (replay needs Scalars only)
+  // Per operand: numbers a random op draws from the device's default
+  // generator (replay draws a fresh state of that size); -1 if none or drawn
+  // from an explicit generator.
+  std::vector<int64_t> operand_rng_count;
   std::unordered_map<const pjrt::Buffer*, int> operand_of_buffer;  // non-storage operands, each buffer once
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
@@ -158,6 +162,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
         // constant for replay, as a Scalar is.
         bool number = ref.kind == OperandRef::Host && item_tensor(call.args[ref.arg], ref.item).dim() == 0;
         g.operand_kind.push_back(number ? OperandRef::Scalar : ref.kind);
+        bool default_rng = ref.kind == OperandRef::Rng &&
+                           !(ref.arg >= 0 && call.args[ref.arg].isGenerator() && call.args[ref.arg].toGenerator().defined());
+        g.operand_rng_count.push_back(default_rng ? static_cast<int64_t>(ref.count) : -1);
       }
       operand_ids.push_back(it->second);
       operand_key += 'p' + std::to_string(it->second) + ',';
@@ -172,6 +179,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operands.push_back(std::move(buffer));
     g.operand_storage.push_back(id);
     g.operand_kind.push_back(OperandRef::Storage);
+    g.operand_rng_count.push_back(-1);
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
                  std::move(operand_ids)};
@@ -376,6 +384,7 @@ void clear_graph(PendingGraph& g) {
   g.operands.clear();
   g.operand_storage.clear();
   g.operand_kind.clear();
+  g.operand_rng_count.clear();
   g.operand_of_buffer.clear();
   g.storages.clear();
   g.ids.clear();
@@ -590,6 +599,7 @@ struct ReplayPlan {
   std::vector<TensorMeta> inputs;
   std::vector<int> operand_input;               // per program parameter: the input it reads, or -1
   std::vector<pjrt::BufferPtr> operand_const;   // per parameter: the constant buffer (a Scalar), if no input
+  std::vector<int64_t> operand_rng;             // per parameter: numbers a random op draws (a fresh state), or -1
   std::vector<std::pair<ElementType, std::vector<int64_t>>> operand_types;  // the program's parameter types
   std::vector<int> live_input;                  // per live result: the input storage it overwrites, or -1
   std::vector<size_t> live_nbytes;              // per live result: the new storage's size
@@ -652,13 +662,21 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       if (input < 0) return refuse("the graph reads a storage that is not an input (a tensor made outside the graph)");  // a storage from outside the inputs (a module attribute)
       plan->operand_input.push_back(input);
       plan->operand_const.emplace_back();
+      plan->operand_rng.push_back(-1);
+    } else if (g.operand_kind[k] == OperandRef::Rng && g.operand_rng_count[k] >= 0) {
+      // A random op: each replay draws a fresh state from the default generator,
+      // in recording order, as running the graph op by op would.
+      plan->operand_input.push_back(-1);
+      plan->operand_const.emplace_back();
+      plan->operand_rng.push_back(g.operand_rng_count[k]);
     } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset) {
       // Cached per value: the same buffer every call. A storage offset inside
       // the graph follows from the inputs' metadata, which replay checks.
       plan->operand_input.push_back(-1);
       plan->operand_const.push_back(g.operands[k]);
+      plan->operand_rng.push_back(-1);
     } else {
-      return refuse(g.operand_kind[k] == OperandRef::Rng ? "a random op (fresh state per call)" : "a CPU tensor operand");  // a random state (fresh per call) or a CPU tensor (its value may change)
+      return refuse(g.operand_kind[k] == OperandRef::Rng ? "a random op with an explicit generator" : "a CPU tensor operand");  // a random state (fresh per call) or a CPU tensor (its value may change)
     }
   }
   std::unordered_map<const StorageState*, int> live_of;
@@ -757,7 +775,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
     std::lock_guard<std::mutex> storages(storage_mutex());
     for (size_t k = 0; k < plan.operand_input.size(); ++k) {
       if (plan.operand_input[k] < 0) {
-        operands.push_back(plan.operand_const[k]);
+        operands.push_back(plan.operand_const[k]);  // null for a random state: drawn below
         continue;
       }
       const StorageState& st = storage_state(inputs[plan.operand_input[k]].storage());
@@ -774,6 +792,13 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
       for (const auto& other : operands) in_list += other == b;
       if (b.use_count() != in_list + 1) return std::nullopt;
     }
+  }
+  // Random states last: a refused replay must not advance the generator.
+  for (size_t k = 0; k < plan.operand_rng.size(); ++k) {
+    if (plan.operand_rng[k] < 0) continue;
+    RngDraw draw = next_rng_draw(std::nullopt, device, static_cast<uint64_t>(plan.operand_rng[k]));
+    uint64_t state[2] = {draw.seed, draw.offset};
+    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, device);
   }
   std::vector<pjrt::Buffer*> raw;
   for (const auto& b : operands) raw.push_back(b.get());

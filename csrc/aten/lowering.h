@@ -130,8 +130,10 @@ void register_complex(Table&);  // last: marks complex-capable lowerings of the 
 void register_external(Table&);  // torch_pjrt::jax_call (external.cpp)
 
 // A function torch_pjrt::jax_call may call: `definitions` (func.func ops in
-// generic form) defines `symbol`; looked up by `key`.
-void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions);
+// generic form) defines `symbol`; looked up by `key`. A non-empty `unsupported`
+// (why the device cannot run it) makes the op run on the CPU instead.
+void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions,
+                                const std::string& unsupported = "");
 
 }  // namespace torch_pjrt::lowering
 

@@ -110,7 +110,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_max_memory_allocated", &max_memory_allocated);
   m.def("_reset_peak_memory", &reset_peak_memory);
   m.def("_lowered_ops", &lowering::lowered_op_names);
-  m.def("_register_external_function", &lowering::register_external_function);
+  m.def("_register_external_function", &lowering::register_external_function, py::arg("key"), py::arg("symbol"),
+        py::arg("definitions"), py::arg("unsupported") = "");
   m.def("_metrics", [] {
     const graph::Metrics s = graph::metrics_snapshot();
     py::dict d;

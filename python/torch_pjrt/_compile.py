@@ -12,11 +12,12 @@ captured program directly without dispatching its ops (_CompiledGraph).
 
 Graph breaks run in the current mode (fused by default) between the compiled
 pieces. Dynamic shapes (dynamic=True, mark_dynamic): Dynamo keeps one graph
-whose size arguments are ints at run time (so it is never replayed); each
-distinct size records ops of that size and compiles one XLA program for it
-(cached in memory and on disk).
-No bucketing or padding: results are exact, the first call of each new size
-pays a compile.
+whose size arguments are ints at run time; each distinct size records ops of
+that size and compiles one XLA program for it (cached in memory and on disk),
+and keeps its own replay plan, so a repeated size replays.
+No bucketing or padding (padding changes results wherever an op mixes along
+the padded dim): results are exact, the first call of each new size pays a
+compile (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -97,18 +98,37 @@ class _CompiledGraph:
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) copy it
         _note_graph_source(gm)
         self.gm = gm
-        self.plan = None
-        self.captures = 0
+        # Plans per value of the graph's int arguments (a dynamic-shape graph's
+        # sizes: the ops recorded, so the program, differ per size); () if none.
+        self.plans = {}  # int arguments -> (plan, the graph's int outputs by position, output count)
+        self.captures = {}
+        # Data-dependent sizes or values (.item(), nonzero under capture_scalar_outputs or
+        # capture_dynamic_output_shape_ops) would be baked into a replay: never replay those.
+        self.data_dependent = _has_unbacked_symbols(gm)
+
+    @staticmethod
+    def _split(args):
+        """(the tensor arguments, the int arguments) if every argument is a tpu tensor or an int, else None."""
+        tensors, ints = [], []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+                tensors.append(a)
+            elif type(a) is int:
+                ints.append(a)
+            else:
+                return None
+        return tensors, tuple(ints)
 
     def __call__(self, args):
         args = list(args)
         # Debug mode waits and checks at every op: no replay there.
-        replayable = (_REPLAY and user_mode() != "debug" and
-                      all(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in args))
-        if replayable and self.plan is not None:
-            outs = _C._replay(self.plan, args)
+        split = self._split(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
+        replayable = split is not None and len(self.plans) < _MAX_SIZES_REPLAYED
+        if split is not None and split[1] in self.plans:
+            plan, int_outputs, count = self.plans[split[1]]
+            outs = _C._replay(plan, split[0])
             if outs is not None:
-                return outs
+                return _with_ints(outs, int_outputs, count)
         previous = _C._get_mode()
         if previous != "fused":
             _C._set_mode("fused")
@@ -118,17 +138,46 @@ class _CompiledGraph:
             # forward(), not the module call: global module hooks (fused mode's
             # end-of-inference cut, under backward's no_grad) must not cut the graph.
             outs = self.gm.forward(*args)
-            if replayable and self.captures < 3 and all(o is None or isinstance(o, torch.Tensor) for o in outs):
-                self.captures += 1  # inputs that keep changing layout: stop trying
-                self.plan = _C._run_and_capture(args, list(outs))
+            sizes = split[1] if replayable else None
+            if (replayable and self.captures.get(sizes, 0) < 3 and
+                    all(o is None or isinstance(o, torch.Tensor) or type(o) is int for o in outs)):
+                self.captures[sizes] = self.captures.get(sizes, 0) + 1  # inputs that keep changing layout: stop
+                # A dynamic-shape forward also returns sizes (ints) saved for backward: functions
+                # of the int arguments and the input metadata, which the plan fixes.
+                int_outputs = {i: o for i, o in enumerate(outs) if type(o) is int}
+                plan = _C._run_and_capture(split[0], [o for o in outs if type(o) is not int])
+                if plan is not None:
+                    self.plans[sizes] = (plan, int_outputs, len(outs))
             return outs
         finally:
             if previous != "fused":
                 _C._set_mode(previous)
 
 
+def _with_ints(tensors, int_outputs, count):
+    """The graph's outputs: the replayed tensors with the captured ints at their positions."""
+    if not int_outputs:
+        return tensors
+    it = iter(tensors)
+    return [int_outputs[i] if i in int_outputs else next(it) for i in range(count)]
+
+
+def _has_unbacked_symbols(gm) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        try:
+            if free_unbacked_symbols(node.meta.get("val")):
+                return True
+        except Exception:  # a value the helper does not understand: assume the worst
+            return True
+    return False
+
+
 # TORCH_PJRT_COMPILE_REPLAY=0 runs every compiled call op by op (fused).
 _REPLAY = os.environ.get("TORCH_PJRT_COMPILE_REPLAY", "1") != "0"
+# A dynamic-shape graph keeps a replay plan (and its program) per distinct size, up to this many.
+_MAX_SIZES_REPLAYED = 64
 
 
 def _graph_compiler(gm, example_inputs):

@@ -115,7 +115,29 @@ def _generic_functions(lowered, prefix):
     return prefix + "main", text
 
 
-def _register_lowering(fn, args):
+_CUSTOM_CALL = re.compile(r'call_target_name = "([^"]+)"')
+
+
+def _unsupported_reason(name, text):
+    """Why the device cannot run this lowered function ("" if it can).
+
+    JAX lowers some functions to custom calls into its own runtime (LAPACK
+    solvers, Python callbacks); the CPU PJRT plugin registers none of them, so
+    such a function runs with jax on the CPU (in every mode: inside a fused
+    graph it would fail the whole program's compile instead). On GPU and TPU
+    the custom calls Pallas emits (Triton, Mosaic) are the kernel itself.
+    """
+    targets = sorted(set(_CUSTOM_CALL.findall(text)))
+    if not targets:
+        return ""
+    from . import platform
+
+    if platform()["name"] != "cpu":
+        return ""
+    return f"{name} calls custom call(s) {', '.join(targets)}, which the cpu PJRT plugin does not provide"
+
+
+def _register_lowering(fn, args, name="jax_op"):
     """Lowers fn for these argument types (once) and registers it; returns its key."""
     jax = _jax()
     avals = _avals(args)
@@ -133,7 +155,7 @@ def _register_lowering(fn, args):
                             f"{aval.dtype}{list(aval.shape)} (64-bit types need jax_enable_x64)")
     out_avals = [(tuple(o.shape), _jax_dtype_to_torch(o.dtype)) for o in jax.tree_util.tree_leaves(lowered.out_info)]
     symbol, text = _generic_functions(lowered, key + "_")
-    _C._register_external_function(key, symbol, text)
+    _C._register_external_function(key, symbol, text, _unsupported_reason(name, text))
     with _lock:
         _modules[key] = _Lowered(fn, out_avals)
     return key
@@ -204,7 +226,7 @@ class _JaxOp:
         types = (tuple(len(g) for g in groups), tuple((tuple(t.shape), t.dtype) for t in args))
         key = self._keys.get(types)
         if key is None:
-            key = self._keys[types] = _register_lowering(self._fn(groups), args)
+            key = self._keys[types] = _register_lowering(self._fn(groups), args, self.name)
         return list(torch.ops.torch_pjrt.jax_call(args, key))
 
     def _fake(self, *groups):
@@ -223,7 +245,7 @@ class JaxFunction:
         flat = _flat_fn(fn)
         self.forward = _JaxOp(name, "(Tensor[] args) -> Tensor[]", lambda groups: flat)
         self.backward = _JaxOp(name + "_jax_vjp", "(Tensor[] primals, Tensor[] cotangents) -> Tensor[]",
-                               lambda groups: _vjp_of(jax, flat, groups[0]))
+                               lambda groups: _vjp_of(jax, flat, groups[0], name))
         self.forward.op.register_autograd(self._backward, setup_context=self._setup_context)
 
     @staticmethod
@@ -244,7 +266,7 @@ class JaxFunction:
         return out[0] if len(out) == 1 else tuple(out)
 
 
-def _vjp_of(jax, flat, primals):
+def _vjp_of(jax, flat, primals, name):
     """JAX function (*primals, *cotangents) -> gradients of the floating primals (jax.vjp)."""
     n = len(primals)
     floating = [_float(p) for p in primals]
@@ -256,8 +278,13 @@ def _vjp_of(jax, flat, primals):
             it = iter(fs)
             return flat(*[next(it) if f else v for v, f in zip(values, floating)])
 
-        _, pullback = jax.vjp(of_floats, *[v for v, f in zip(values, floating) if f])
-        return tuple(pullback(tuple(cotangents)))
+        try:
+            _, pullback = jax.vjp(of_floats, *[v for v, f in zip(values, floating) if f])
+            return tuple(pullback(tuple(cotangents)))
+        except Exception as e:  # JAX's own message rarely names the cause (a Pallas kernel: an AssertionError)
+            raise TypeError(f"{name}: JAX cannot differentiate this function ({type(e).__name__}: {e}); "
+                            "Pallas kernels have no reverse-mode autodiff: give the function a backward "
+                            "with jax.custom_vjp") from e
 
     return grads
 

@@ -14,6 +14,7 @@ namespace {
 struct ExternalFunction {
   std::string symbol;       // the callee, defined in `definitions`
   std::string definitions;  // func.func ops in generic form
+  std::string unsupported;  // why the device cannot run it (custom calls the plugin lacks); empty if it can
 };
 
 std::mutex g_external_mutex;
@@ -32,6 +33,8 @@ ExternalFunction find_external(const std::string& key) {
 
 std::vector<Value> lower_jax_call(Context& c) {
   ExternalFunction f = find_external(c.string_arg("module"));
+  // Not a compile error inside a fused graph: the op runs on the CPU in every mode.
+  if (!f.unsupported.empty()) throw Unsupported(f.unsupported);
   std::vector<Value> operands;
   for (const auto& v : c.tensor_list("args")) {
     if (!v) throw std::invalid_argument("torch_pjrt::jax_call: undefined tensor argument");
@@ -44,9 +47,10 @@ std::vector<Value> lower_jax_call(Context& c) {
 
 }  // namespace
 
-void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions) {
+void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions,
+                                const std::string& unsupported) {
   std::lock_guard<std::mutex> lock(g_external_mutex);
-  external_functions().insert_or_assign(key, ExternalFunction{symbol, definitions});
+  external_functions().insert_or_assign(key, ExternalFunction{symbol, definitions, unsupported});
 }
 
 void register_external(Table& t) { add_lowering(t, "torch_pjrt::jax_call", lower_jax_call); }

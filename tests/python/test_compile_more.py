@@ -1,0 +1,171 @@
+"""torch.compile(backend="tpu"): random ops under replay, and dynamic shapes (what compiles, what replays).
+
+References: PyTorch on the CPU for values; for dropout, its semantics (a fresh
+mask per call, the same mask after the same seed, kept values scaled by
+1/(1-p), the gradient through the same mask).
+"""
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import torch_pjrt
+
+DEVICE = "tpu"
+
+
+def _replays():
+    return torch_pjrt.metrics()["compiled_replays"]
+
+
+class DropoutNet(nn.Module):
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+@pytest.fixture
+def dropout_net():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch_pjrt.mode("fused"):
+        yield DropoutNet().to(DEVICE).train()
+
+
+def _train_call(fn, x):
+    x = x.detach().requires_grad_(True)
+    out = fn(x)
+    out.backward(torch.ones_like(out))
+    return out.detach().cpu(), x.grad.cpu()
+
+
+def test_dropout_replays_with_a_fresh_mask_per_call(dropout_net):
+    compiled = torch.compile(dropout_net, backend="tpu")
+    x = torch.randn(32, 64, device=DEVICE)
+    before = _replays()
+    outs = [_train_call(compiled, x)[0] for _ in range(4)]
+    # Forward and backward graphs replay after the first call (random ops no longer refuse a plan).
+    assert _replays() - before >= 4, torch_pjrt._C._replay_refusal()
+    masks = [o != 0 for o in outs]
+    for a, b in zip(masks, masks[1:]):
+        assert not torch.equal(a, b), "two calls drew the same dropout mask"
+    # Kept values are the linear layer's output scaled by 1/(1-p).
+    with torch.no_grad():
+        expected = dropout_net.lin(x).cpu() * 2
+    for out, mask in zip(outs, masks):
+        torch.testing.assert_close(out[mask], expected[mask], atol=1e-5, rtol=1e-5)
+        assert 0.4 < mask.float().mean().item() < 0.6
+
+
+def test_same_seed_same_mask_in_captured_and_replayed_calls(dropout_net):
+    """The first call runs op by op and captures; later ones replay: both draw the same stream."""
+    compiled = torch.compile(dropout_net, backend="tpu")
+    x = torch.randn(32, 64, device=DEVICE)
+    torch.manual_seed(123)
+    first = _train_call(compiled, x)  # captured (op by op)
+    _train_call(compiled, x)
+    torch.manual_seed(123)
+    before = _replays()
+    again = _train_call(compiled, x)  # replayed
+    assert _replays() - before >= 2
+    torch.testing.assert_close(again[0], first[0], atol=0, rtol=0)
+    torch.testing.assert_close(again[1], first[1], atol=0, rtol=0)
+    # The gradient goes through the same mask: d(sum(dropout(lin(x))))/dx = (mask * 2) @ W.
+    mask = (first[0] != 0).float()
+    torch.testing.assert_close(first[1], (mask * 2) @ dropout_net.lin.weight.detach().cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_replayed_dropout_continues_the_eager_stream(dropout_net):
+    """A replay advances the device generator as the op-by-op path does: later eager draws agree."""
+    compiled = torch.compile(dropout_net, backend="tpu")
+    x = torch.randn(8, 64, device=DEVICE)
+    for _ in range(2):
+        _train_call(compiled, x)
+    streams = []
+    for replay in (False, True):
+        torch.manual_seed(7)
+        if replay:
+            before = _replays()
+            _train_call(compiled, x)
+            assert _replays() > before
+        else:
+            with torch.no_grad():
+                compiled._orig_mod(x)  # the same ops, eager
+        streams.append(torch.rand(1000, device=DEVICE).cpu())
+    torch.testing.assert_close(streams[0], streams[1], atol=0, rtol=0)
+
+
+# ---- dynamic shapes -----------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x).softmax(-1)
+
+
+SIZES = [3, 5, 7, 5, 9, 3, 5]
+
+
+@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+def test_dynamic_shapes_compile_once_per_size_and_replay_repeats(how):
+    """dynamic=True / mark_dynamic: Dynamo traces one graph with a symbolic batch size; each
+    distinct size compiles one XLA program (its first call runs op by op); a repeated size
+    compiles nothing and replays. No padding: results are exact for every size."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    width = {"dynamic": 17, "mark_dynamic": 19}[how]  # programs no other test compiled
+    cpu = MLP(width)
+    with torch_pjrt.mode("fused"):
+        dev = MLP(width).to(DEVICE)
+        dev.load_state_dict(cpu.state_dict())
+        compiled = torch.compile(dev, backend="tpu", dynamic=True if how == "dynamic" else None)
+        seen = set()
+        for n in SIZES:
+            x = torch.randn(n, width)
+            xd = x.to(DEVICE)
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(xd, 0)
+            before = torch_pjrt.metrics()
+            with torch.no_grad():
+                out = compiled(xd).cpu()
+            after = torch_pjrt.metrics()
+            # A program made for this size: compiled, or loaded from a persistent cache.
+            compiles = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
+            replays = after["compiled_replays"] - before["compiled_replays"]
+            if n in seen:
+                assert (compiles, replays) == (0, 1), f"size {n} again: {compiles} compiles, {replays} replays"
+            else:
+                assert compiles == 1 and replays == 0, f"new size {n}: {compiles} compiles, {replays} replays"
+            seen.add(n)
+            with torch.no_grad():
+                torch.testing.assert_close(out, cpu(x), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # one Dynamo graph for every size
+
+
+def test_dynamic_shapes_training_replays_per_size():
+    """Forward and backward graphs of a dynamic-batch training step replay for a repeated size."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cpu = MLP()
+    with torch_pjrt.mode("fused"):
+        dev = MLP().to(DEVICE)
+        dev.load_state_dict(cpu.state_dict())
+        compiled = torch.compile(dev, backend="tpu", dynamic=True)
+        for n in (4, 6, 4, 6):
+            x = torch.randn(n, 16)
+            dev.zero_grad()
+            cpu.zero_grad()
+            before = _replays()
+            compiled(x.to(DEVICE)).square().sum().backward()
+            replayed = _replays() - before
+            cpu(x).square().sum().backward()
+            for (name, p), q in zip(dev.named_parameters(), cpu.parameters()):
+                torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert replayed == 2, torch_pjrt._C._replay_refusal()  # the last call (a repeated size): both graphs
