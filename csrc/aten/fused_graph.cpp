@@ -114,7 +114,7 @@ void mark_written(PendingGraph& g, const at::Tensor& t) {
   st.pending = true;
   st.lost.reset();
   st.pending_element = element_or_throw(t.scalar_type());
-  st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
+  st.pending_count = static_cast<int64_t>(extent_bytes(st) / t.element_size());
 }
 
 void run_graph(PendingGraph& g);
@@ -651,7 +651,8 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       if (input < 0) return refuse("the graph reads a storage that is not an input (a tensor made outside the graph)");  // a storage from outside the inputs (a module attribute)
       plan->operand_input.push_back(input);
       plan->operand_const.emplace_back();
-    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset) {
+    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset ||
+               g.operand_kind[k] == OperandRef::Position) {
       // Cached per value: the same buffer every call. A storage offset inside
       // the graph follows from the inputs' metadata, which replay checks.
       plan->operand_input.push_back(-1);
