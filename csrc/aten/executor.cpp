@@ -1591,15 +1591,17 @@ at::Tensor to_host(const at::Tensor& t) {
   check_has_value(st);
   if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
-  bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e &&
-                buffer->element_count() >= t.numel() && !t.is_conj() && !t.is_neg();  // clone applies the bits
+  // A capacity storage's buffer holds more than the tensor covering it: read it, keep the prefix.
+  bool covers = buffer->element_count() == t.numel() ||
+                (st.capacity > 0 && buffer->element_count() > t.numel() && static_cast<size_t>(t.nbytes()) == st.nbytes);
+  bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e && covers &&
+                !t.is_conj() && !t.is_neg();  // clone applies the bits
   if (!direct) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
     run_or_throw(clone, &stack);
     return to_host(stack.back().toTensor());
   }
-  // A capacity storage's buffer holds more than the tensor: read it, keep the prefix.
   at::Tensor whole = buffer->element_count() == t.numel() ? out : at::empty({buffer->element_count()}, out.options());
   try {
     buffer->to_host(whole.mutable_data_ptr());

@@ -103,6 +103,8 @@ def test_flat_cat_storage_keeps_logical_size():
     assert z.untyped_storage().nbytes() == torch.cat([x, x], dim=1).untyped_storage().nbytes()
     assert z.stride() == (10, 1)
     torch.testing.assert_close(z.untyped_storage().cpu(), torch.cat([x, x], dim=1).untyped_storage())
+    torch.testing.assert_close(z[:, :3].cpu(), x[:, :3])  # a prefix view reads only its elements
+    torch.testing.assert_close(z.view(2, 5)[1].cpu(), x[0])
 
 
 @pytest.mark.parametrize("mode", ["fused", "strict"])
