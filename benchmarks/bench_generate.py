@@ -2,8 +2,9 @@
 
 - tokens/s of `model.generate(max_new_tokens=N)` on the CPU (eager) and on tpu, cold (first call: compiles)
   and warm (the same call again: every program cached);
-- compiles per generated token after warm-up inside the cold call (after the first 2 tokens), and in the
-  warm call; whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
+- compiles per generated token after warm-up inside the cold call (after the first 2 tokens), in the warm call,
+  and per token (after the first 2) of a generate() whose prompt has a new length (`new len`: a new prefill, then
+  the steady state); whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
 
 for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode.
 
@@ -71,8 +72,12 @@ def measure(kind, cache, mode, tokens):
         before = torch_pjrt.metrics()["compiles"]
         _, warm_s, _ = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
         warm_compiles = torch_pjrt.metrics()["compiles"] - before
+        other = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(2)).to("tpu")
+        _, _, new_counts = run(model, other, cache, tokens, torch.tpu.synchronize)
+        new_len = (new_counts[-1] - new_counts[1]) / max(len(new_counts) - 2, 1)
     print(f"{kind:6s} {cache:8s} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
-          f"{cpu_s / warm_s:8.2f}x {per_token:14.1f} {warm_compiles:10d} {str(torch.equal(out, expected)):>5s}",
+          f"{cpu_s / warm_s:8.2f}x {per_token:14.1f} {warm_compiles:10d} {new_len:13.1f} "
+          f"{str(torch.equal(out, expected)):>5s}",
           flush=True)
 
 
@@ -87,7 +92,7 @@ def main():
         return measure(*args.one.split(","), args.tokens)
     print("platform:", torch_pjrt.platform())
     print(f"{'model':6s} {'cache':8s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
-          f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'same':>5s}", flush=True)
+          f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'new len c/tok':>13s} {'same':>5s}", flush=True)
     for kind in ("gpt2", "llama"):
         for cache in ("dynamic", "static"):
             for mode in args.modes.split(","):

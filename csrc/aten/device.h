@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,6 +21,10 @@ namespace torch_pjrt {
 struct StorageState {
   pjrt::BufferPtr buffer;
   size_t nbytes = 0;
+  // Bytes its buffer holds when more than nbytes: a capacity storage (a flat
+  // `cat`'s result, rounded up to a power of two) so that a growing sequence
+  // keeps one program per capacity bucket. 0: none. Reads use the prefix.
+  size_t capacity = 0;
   int device = 0;
   // Fused/lazy modes: a recorded op writes this storage; its buffer (a flat
   // `pending_count` x `pending_element`) arrives when the graph runs.
@@ -50,6 +55,8 @@ void install_buffer(StorageState& st, pjrt::BufferPtr buffer);
 void check_has_value(const StorageState& st);
 
 StorageState& storage_state(const c10::Storage& storage);
+// The bytes a program sees for a storage: its capacity when it has one, else nbytes.
+inline size_t extent_bytes(const StorageState& st) { return std::max(st.nbytes, st.capacity); }
 
 // The plugin's address of the buffer behind a storage (0: no buffer yet),
 // given `untyped_storage().data_ptr()`. Tests use it to see buffer reuse; the

@@ -109,6 +109,7 @@ struct KeyBuilder {
   // they overlap (ATen's overlap errors) must be checked on every call.
   bool shared_storage = false, runtime_offset = false;
   bool complex = false;                            // a complex tensor or Scalar argument
+  bool shapeless = false;                          // a flat cat: tensors' sizes and strides stay out of the key
 
   void num(int64_t v) {
     key += std::to_string(v);
@@ -130,18 +131,20 @@ struct KeyBuilder {
     // Lazy conjugate / negative views: the value read is conj(data) / -data.
     if (t.is_conj()) key += '*';
     if (t.is_neg()) key += '~';
-    for (int64_t s : t.sizes()) num(s);
+    if (!shapeless)
+      for (int64_t s : t.sizes()) num(s);
     if (t.device().type() == kTpu) {
       if (call.device < 0) call.device = t.device().index();
       TORCH_CHECK(call.device == t.device().index(), "Expected all tensors to be on the same device, but found ",
                   "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
       key += 't';
-      for (int64_t s : t.strides()) num(s);
+      if (!shapeless)
+        for (int64_t s : t.strides()) num(s);
       key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
       runtime_offset = runtime_offset || t.storage_offset() != 0;
       const StorageState& st = storage_state(t.storage());
       check_has_value(st);
-      num(static_cast<int64_t>(st.nbytes));
+      num(static_cast<int64_t>(extent_bytes(st)));  // a capacity storage keys by its capacity
       std::optional<lowering::TensorType> type = storage_type(st);
       if (type) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
@@ -450,7 +453,31 @@ class CallContext final : public lowering::Context {
     return view;
   }
   int64_t storage_count(const at::Tensor& t) const {
-    return static_cast<int64_t>(storage_state(t.storage()).nbytes / t.element_size());
+    return static_cast<int64_t>(extent_bytes(storage_state(t.storage())) / t.element_size());
+  }
+
+  int64_t flat_capacity() const override { return flat_cat_capacity(call_); }
+  std::vector<FlatPiece> flat_pieces(std::string_view name) override {
+    int i = index(name);
+    std::vector<FlatPiece> pieces;
+    auto list = call_.args[i].toTensorList();
+    for (size_t k = 0; k < list.size(); ++k) {
+      at::Tensor t = list.get(k);
+      int item = static_cast<int>(k);
+      graph::StridedView view = view_of(t, i, item);
+      int64_t count = storage_count(t);
+      Value data = graph::storage_as(b, storage_param(t, i, item), view.element, count);
+      if (view.runtime_offset) {  // from the piece's start; padded so the slice never clamps
+        Value padded = b.pad(data, b.constant(0, data.element()), {0}, {count}, {0});
+        data = b.dynamic_slice(padded, {*view.runtime_offset}, {count});
+      }
+      std::optional<Value> start;
+      if (k > 0)
+        start = operand_param(lowering::TensorType{ElementType::S64, {}},
+                              OperandRef{OperandRef::Position, i, item, ElementType::S64});
+      pieces.push_back(FlatPiece{data, start});
+    }
+    return pieces;
   }
 
   Value value_of(const at::Tensor& t, int arg, int item) {
@@ -895,6 +922,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
 std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached, CallContext& ctx) {
   const MetaResult& meta = cached.meta;
   std::vector<Value> results = cached.entry->fn(ctx);
+  if (cached.flat_capacity > 0) return results;  // already the result's flat buffer, of its capacity
   if (results.size() != meta.outputs.size())
     throw lowering::Unsupported("internal: lowering returned " + std::to_string(results.size()) + " values, expected " +
                                 std::to_string(meta.outputs.size()));
@@ -1216,6 +1244,12 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   // without a dtype, Python floats with integer tensors; the default complex
   // dtype follows it).
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
+  int64_t flat_capacity = flat_cat_capacity(call);
+  if (flat_capacity > 0) {
+    kb.shapeless = true;
+    kb.key += "flat";
+    kb.num(flat_capacity);
+  }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
     const auto& runtime = entry->runtime_floats;
@@ -1250,6 +1284,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     ++metrics().op_cache_misses;
     try {
       cached = plan(call, *entry);
+      cached->flat_capacity = flat_capacity;
     } catch (const lowering::Unsupported& e) {
       *why = e.what();
       return false;
@@ -1429,6 +1464,11 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
       return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
     case OperandRef::Offset:
       return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).storage_offset(), ElementType::S64, call.device);
+    case OperandRef::Position: {
+      int64_t start = 0;
+      for (int k = 0; k < ref.item; ++k) start += item_tensor(call.args[ref.arg], k).numel();
+      return scalar_buffer(start, ElementType::S64, call.device);
+    }
     case OperandRef::Rng: {
       std::optional<at::Generator> gen;
       if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
@@ -1443,8 +1483,55 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
   return storage_state(item_tensor(call.args[ref.arg], ref.item).storage()).buffer;
 }
 
+// ---- flat cats: growing sequences ----
+// transformers appends one token per step (`torch.cat([input_ids, next], -1)`,
+// GPT-2's position_ids): with sizes in the key every step would compile anew.
+// A flat cat keys by its pieces' storage extents and its result's capacity
+// (the next power of two, at least kMinFlatCapacity elements); its result is a
+// capacity storage, and slices of it ([:, -1:]) take runtime offsets, so a
+// sequence growing inside one bucket reuses every program.
+constexpr int64_t kMinFlatCapacity = 64;
+
+int64_t flat_cat_capacity(const Call& call) {
+  if (op_name(call.schema) != "aten::cat" || !call.args[0].isTensorList()) return 0;
+  auto list = call.args[0].toTensorList();
+  if (list.size() < 2) return 0;
+  at::Tensor first = list.get(0);
+  if (!first.defined() || first.dim() == 0) return 0;
+  int64_t dim = call.args[1].toInt();
+  if (dim < -first.dim() || dim >= first.dim()) return 0;  // the meta kernel's error
+  dim = dim < 0 ? dim + first.dim() : dim;
+  int64_t total = 0;
+  for (const at::Tensor& t : list) {
+    if (!t.defined() || t.device() != first.device() || t.device().type() != kTpu ||
+        t.scalar_type() != first.scalar_type() || t.dim() != first.dim() || t.numel() == 0 || !t.is_contiguous() ||
+        t.is_conj() || t.is_neg() || !element_of(t.scalar_type()))
+      return 0;
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if ((d < dim && t.size(d) != 1) || (d > dim && t.size(d) != first.size(d))) return 0;
+    total += t.numel();
+  }
+  int64_t capacity = kMinFlatCapacity;
+  while (capacity < total) capacity *= 2;
+  return capacity;
+}
+
+// A flat cat's result: sizes from this call, a buffer of `capacity` elements.
+at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
+  auto list = call.args[0].toTensorList();
+  at::Tensor first = list.get(0);
+  int64_t dim = c10::maybe_wrap_dim(call.args[1].toInt(), first.dim());
+  std::vector<int64_t> sizes = first.sizes().vec();
+  sizes[dim] = 0;
+  for (const at::Tensor& t : list) sizes[dim] += t.size(dim);
+  at::Tensor out = at::empty(sizes, first.options());
+  storage_state(out.storage()).capacity = static_cast<size_t>(capacity) * out.element_size();
+  return out;
+}
+
 // The op's outputs: written arguments, or new tensors on the call's device.
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
+  if (cached.flat_capacity > 0) return {flat_cat_output(call, cached.flat_capacity)};
   std::vector<at::Tensor> outs;
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
@@ -1505,19 +1592,24 @@ at::Tensor to_host(const at::Tensor& t) {
   check_has_value(st);
   if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
-  bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e &&
-                buffer->element_count() == t.numel() && !t.is_conj() && !t.is_neg();  // clone applies the bits
+  // A capacity storage's buffer holds more than the tensor covering it: read it, keep the prefix.
+  bool covers = buffer->element_count() == t.numel() ||
+                (st.capacity > 0 && buffer->element_count() > t.numel() && static_cast<size_t>(t.nbytes()) == st.nbytes);
+  bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e && covers &&
+                !t.is_conj() && !t.is_neg();  // clone applies the bits
   if (!direct) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
     run_or_throw(clone, &stack);
     return to_host(stack.back().toTensor());
   }
+  at::Tensor whole = buffer->element_count() == t.numel() ? out : at::empty({buffer->element_count()}, out.options());
   try {
-    buffer->to_host(out.mutable_data_ptr());
+    buffer->to_host(whole.mutable_data_ptr());
   } catch (const pjrt::Error& e) {
     TORCH_CHECK(false, "reading a tpu tensor failed: ", e.what());
   }
+  if (!whole.is_same(out)) out.view(-1).copy_(whole.narrow(0, 0, t.numel()));
   metrics().device_to_host_bytes += static_cast<int64_t>(out.nbytes());
   return out;
 }

@@ -118,7 +118,7 @@ void mark_written(PendingGraph& g, const at::Tensor& t) {
   st.pending = true;
   st.lost.reset();
   st.pending_element = element_or_throw(t.scalar_type());
-  st.pending_count = static_cast<int64_t>(st.nbytes / t.element_size());
+  st.pending_count = static_cast<int64_t>(extent_bytes(st) / t.element_size());
 }
 
 void run_graph(PendingGraph& g);
@@ -669,7 +669,8 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       plan->operand_input.push_back(-1);
       plan->operand_const.emplace_back();
       plan->operand_rng.push_back(g.operand_rng_count[k]);
-    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset) {
+    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset ||
+               g.operand_kind[k] == OperandRef::Position) {
       // Cached per value: the same buffer every call. A storage offset inside
       // the graph follows from the inputs' metadata, which replay checks.
       plan->operand_input.push_back(-1);

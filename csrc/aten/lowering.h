@@ -72,6 +72,18 @@ class Context {
   // advances by `count` so every draw is fresh and reproducible.
   virtual Value rng_state(int64_t count) = 0;
 
+  // A flat cat (executor.cpp, flat_cat_capacity): elements of its result's
+  // buffer (0: not one), and per piece its whole storage read flat from the
+  // piece's start (values past the piece are whatever the storage holds) with
+  // its start in the result as a runtime s64[] (none for the first piece).
+  // Sizes stay out of the program, so a growing sequence reuses it.
+  struct FlatPiece {
+    Value data;
+    std::optional<Value> position;
+  };
+  virtual int64_t flat_capacity() const { return 0; }
+  virtual std::vector<FlatPiece> flat_pieces(std::string_view name) { return {}; }
+
   // Declares a runtime check (see RuntimeCheck); the executor reports the
   // first one that fails, naming the op and the user's line.
   void check(RuntimeCheck c) { checks.push_back(std::move(c)); }

@@ -27,7 +27,8 @@ constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
 // Where an operand of a cached program comes from, replayed on every call.
 struct OperandRef {
   // Offset: a tensor argument's nonzero storage offset, an s64[] like a Scalar.
-  enum Kind { Storage, Host, Scalar, Rng, Offset } kind;
+  // Position: where item `item` of a flat cat's Tensor[] starts in its result (s64[]).
+  enum Kind { Storage, Host, Scalar, Rng, Offset, Position } kind;
   int arg = 0;
   int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
   ElementType element = ElementType::F32;
@@ -60,6 +61,9 @@ struct CachedOp {
   const lowering::LoweringEntry* entry = nullptr;
   bool operands_known = false;
   bool outputs_empty = false;  // every output has zero elements: nothing to run
+  // A flat cat (flat_cat_capacity): its result's buffer holds this many
+  // elements, and its sizes come from each call, not from the plan. 0: no.
+  int64_t flat_capacity = 0;
   std::string unsupported;  // set when lowering failed: the op always falls back
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
@@ -153,6 +157,10 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
 // Storage operands: the caller holds storage_mutex().
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
+// Elements of a flat cat's result buffer (0: the call is not one). A flat cat
+// is `aten::cat` of contiguous tpu pieces of one dtype along a dim with only
+// size-1 dims before it: its result is the pieces' flat concatenation.
+int64_t flat_cat_capacity(const Call& call);
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt

@@ -6,7 +6,22 @@
 namespace torch_pjrt::lowering {
 namespace {
 
+// Each piece's data written at its position into zeros, in order: a piece's
+// tail past its own length is overwritten by the pieces after it or lies past
+// the result's size. The slack keeps every update in bounds (XLA would clamp
+// its start and shift it).
+Value flat_cat(Builder& b, const std::vector<Context::FlatPiece>& pieces, int64_t capacity) {
+  int64_t slack = 0;
+  for (const auto& p : pieces) slack = std::max(slack, p.data.dims()[0]);
+  ElementType e = pieces.at(0).data.element();
+  Value out = b.constant(0, e, {capacity + slack});
+  for (const auto& p : pieces)
+    out = b.dynamic_update_slice(out, p.data, {p.position ? *p.position : b.constant_int(0, ElementType::S64)});
+  return b.slice(out, {0}, {capacity}, {1});
+}
+
 std::vector<Value> lower_cat(Context& c) {
+  if (int64_t capacity = c.flat_capacity()) return {flat_cat(c.b, c.flat_pieces("tensors"), capacity)};
   const OutputMeta& o = c.output(0);
   int64_t rank = static_cast<int64_t>(o.dims.size());
   int64_t dim = wrap_dim(c.int_arg("dim"), rank);
