@@ -101,6 +101,34 @@ class PythonBridgeBackend : public c10d::Backend {
   }
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override { return call("barrier", opts); }
 
+  // Splitting (split_group; DeviceMesh uses it once init_process_group has a device_id): the Python side makes
+  // the child's own Gloo group from the new group's store.
+  bool supportsSplitting() const override { return true; }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    py::gil_scoped_acquire gil;
+    return options().cast<c10::intrusive_ptr<Options>>();
+  }
+
+  // split_group deep-copies `backend.options`: a Python subclass of Backend.Options that can be copied.
+  py::object options() { return impl_.attr("options")(); }
+
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    py::object child = impl_.attr("split")(store, ranks, opts->timeout.count() / 1000.0, opts->group_name);
+    if (child.is_none()) return nullptr;  // this rank is not in the new group
+    return c10::make_intrusive<PythonBridgeBackend>(child.attr("rank").cast<int>(), child.attr("size").cast<int>(),
+                                                    child);
+  }
+
+  // The collective count (split_group and the flight recorder read it); every rank starts at 0.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("_seq").cast<uint64_t>();
+  }
+
   void setTimeout(std::chrono::milliseconds timeout) override {
     py::gil_scoped_acquire gil;
     impl_.attr("set_timeout")(timeout.count() / 1000.0);
@@ -124,7 +152,13 @@ class PythonBridgeBackend : public c10d::Backend {
 void register_dist_backend_bindings(py::module& m) {
   // Returns the backend as torch's own c10d.Backend type, ready for
   // ProcessGroup._register_backend.
-  m.def("_make_dist_backend", [](int rank, int size, py::object impl) -> c10::intrusive_ptr<c10d::Backend> {
+  // Registered as a subclass of torch's c10d.Backend for the one attribute the base binding lacks.
+  py::class_<PythonBridgeBackend, c10d::Backend, c10::intrusive_ptr<PythonBridgeBackend>>(m, "_TpuDistBackend")
+      .def_property_readonly("options", [](PythonBridgeBackend& self) {
+        py::gil_scoped_acquire gil;
+        return self.options();
+      });
+  m.def("_make_dist_backend", [](int rank, int size, py::object impl) {
     return c10::make_intrusive<PythonBridgeBackend>(rank, size, std::move(impl));
   });
 }

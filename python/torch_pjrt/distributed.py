@@ -28,7 +28,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import Backend as _C10dBackend, _create_work_from_future
 from torch.distributed import distributed_c10d as c10d
 
 from . import _C
@@ -142,6 +142,7 @@ class _TpuDistBackend:
         self._store = store
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_STORE_PREFIX, store), rank, size, timeout)
         self._seq = 0
+        self._splits = 0
 
     # -- paths -------------------------------------------------------------------------------------
     def _path(self, name: str, tensors) -> str:
@@ -429,9 +430,32 @@ class _TpuDistBackend:
             _count("dist_collectives_staged")
         return _PendingWork(self, "recv from any rank", work, staging, tensors)
 
+    def options(self):
+        return _Options(BACKEND_NAME, self.timeout)
+
+    def split(self, store, ranks, timeout_s: float, group_name: str):
+        """The backend of a new group of `ranks` (ranks of this group) made by split_group, or None if this
+        rank is not in it."""
+        ranks = sorted(ranks)
+        # The store is the parent's, shared by every group this split makes at once: each needs its own prefix
+        # (every rank of the parent splits in the same order, members or not, so the count agrees).
+        self._splits += 1
+        if self.rank not in ranks:
+            return None
+        prefix = f"tpu_dist_split/{self._splits}/{'_'.join(map(str, ranks))}/"
+        return _TpuDistBackend(dist.PrefixStore(prefix, store), ranks.index(self.rank), len(ranks),
+                               datetime.timedelta(seconds=timeout_s), group_name, [self.global_ranks[r] for r in ranks])
+
     def set_timeout(self, seconds: float) -> None:
         self.timeout = datetime.timedelta(seconds=seconds)
         self._gloo._set_default_timeout(self.timeout)
+
+
+class _Options(_C10dBackend.Options):
+    """c10d Backend.Options that copy.deepcopy can copy (split_group copies the parent's)."""
+
+    def __deepcopy__(self, memo):
+        return _Options(self.backend, self._timeout)
 
 
 class _Then:

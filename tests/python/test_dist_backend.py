@@ -82,6 +82,12 @@ def test_torchrun_local_rank_picks_the_device(per_process):
     assert all("failures=0" in r for r in results), results
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_device_mesh_2d_splits_groups_and_dtensor_4_processes():
+    results = torchrun("device_mesh.py", 4, mode="fused")
+    assert all("failures=0" in r for r in results), results
+
+
 def _launch_failing_ranks(tmp_path, mode, timeout_s):
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "failing_rank.py"), str(r), "2", str(store),
