@@ -6,6 +6,7 @@ process, and prints RESULT lines. Every launch has a hard timeout. The scripts p
 (TORCH_PJRT_MODE per launch), so `make test` runs this file once.
 """
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def torchrun(script, nproc, *args, mode="fused", **env):
            os.path.join(SCRIPTS, script), *args]
     proc = subprocess.run(cmd, env=_env(mode, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     out = proc.stdout + proc.stderr
-    results = [line for line in out.splitlines() if line.startswith("RESULT")]
+    results = re.findall(r"RESULT rank=\d+ [^\n]*", proc.stdout)
     assert proc.returncode == 0 and len(results) == nproc, f"exit {proc.returncode}\n{out[-6000:]}"
     return results
 

@@ -5,6 +5,7 @@ collectives.py BACKEND, where BACKEND is "default" (init_process_group() with no
 "cpu:gloo,tpu:tpu_dist". Prints "RESULT rank=R checks=K failures=F" and exits 1 on any failure.
 """
 import datetime
+import os
 import sys
 
 import torch
@@ -12,6 +13,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_pjrt
+
+
+def say(line):
+    """One write per line: the ranks share torchrun's stdout pipe (print may split a line in two writes)."""
+    os.write(1, (line + "\n").encode())
 
 failures = []
 checks = 0
@@ -282,7 +288,7 @@ check("metrics count staged bytes", torch.tensor(m["dist_staged_bytes_to_host"] 
                                                  m["dist_staged_bytes_to_device"] > 0), torch.tensor(True))
 
 for f in failures:
-    print(f"rank {rank} FAIL {f}", flush=True)
-print(f"RESULT rank={rank} checks={checks} failures={len(failures)} staged={m['dist_collectives_staged']}", flush=True)
+    say(f"rank {rank} FAIL {f}")
+say(f"RESULT rank={rank} checks={checks} failures={len(failures)} staged={m['dist_collectives_staged']}")
 dist.destroy_process_group()
 sys.exit(1 if failures else 0)

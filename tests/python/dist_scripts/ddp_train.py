@@ -15,6 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_pjrt
 
+
+def say(line):
+    """One write per line: the ranks share torchrun's stdout pipe (print may split a line in two writes)."""
+    os.write(1, (line + "\n").encode())
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="cpu:gloo,tpu:tpu_dist")
 parser.add_argument("--mpmd", action="store_true")
@@ -88,8 +93,8 @@ if args.mpmd and rank == 0:
         failures.append("checkpoint tensors not on the cpu")
 m = torch_pjrt.metrics()
 for f in failures:
-    print(f"rank {rank} FAIL {f}", flush=True)
-print(f"RESULT rank={rank} failures={len(failures)} staged={m['dist_collectives_staged']} "
-      f"to_host={m['dist_staged_bytes_to_host']} losses={[round(v, 6) for v in losses]}", flush=True)
+    say(f"rank {rank} FAIL {f}")
+say(f"RESULT rank={rank} failures={len(failures)} staged={m['dist_collectives_staged']} "
+      f"to_host={m['dist_staged_bytes_to_host']} losses={[round(v, 6) for v in losses]}")
 dist.destroy_process_group()
 sys.exit(1 if failures else 0)

@@ -1,6 +1,7 @@
 """A 2-D DeviceMesh on tpu with init_process_group(device_id=...): its subgroups come from split_group
 (tpu_dist splits itself), each dimension's all_reduce sums over the right ranks, and a DTensor redistributes.
 Prints "RESULT rank=R failures=F"."""
+import os
 import sys
 
 import torch
@@ -9,6 +10,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import torch_pjrt  # noqa: F401
+
+
+def say(line):
+    """One write per line: the ranks share torchrun's stdout pipe (print may split a line in two writes)."""
+    os.write(1, (line + "\n").encode())
 
 dist.init_process_group(device_id=torch.device("tpu", torch.accelerator.current_device_index()))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -33,7 +39,7 @@ if not torch.equal(d.full_tensor().cpu(), full):
 if not torch.equal(d.redistribute(mesh, [Replicate(), Replicate()]).to_local().cpu(), full):
     failures.append("DTensor redistribute to Replicate differs")
 for f in failures:
-    print(f"rank {rank} FAIL {f}", flush=True)
-print(f"RESULT rank={rank} failures={len(failures)}", flush=True)
+    say(f"rank {rank} FAIL {f}")
+say(f"RESULT rank={rank} failures={len(failures)}")
 dist.destroy_process_group()
 sys.exit(1 if failures else 0)

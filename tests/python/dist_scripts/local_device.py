@@ -9,6 +9,11 @@ import torch.distributed as dist
 
 import torch_pjrt  # noqa: F401
 
+
+def say(line):
+    """One write per line: the ranks share torchrun's stdout pipe (print may split a line in two writes)."""
+    os.write(1, (line + "\n").encode())
+
 dist.init_process_group()
 rank, world = dist.get_rank(), dist.get_world_size()
 per_process = int(os.environ.get("TORCH_PJRT_CPU_DEVICES", "1"))
@@ -27,7 +32,7 @@ want = torch.full((3,), float(world * (world + 1) // 2))
 if not torch.equal(x.cpu(), want) or x.device.index != want_device:
     failures.append(f"all_reduce gave {x} (want {want} on tpu:{want_device})")
 for f in failures:
-    print(f"rank {rank} FAIL {f}", flush=True)
-print(f"RESULT rank={rank} failures={len(failures)}", flush=True)
+    say(f"rank {rank} FAIL {f}")
+say(f"RESULT rank={rank} failures={len(failures)}")
 dist.destroy_process_group()
 sys.exit(1 if failures else 0)
