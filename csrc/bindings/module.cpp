@@ -10,6 +10,7 @@
 #include "aten/executor.h"
 #include "aten/fused_graph.h"
 #include "aten/lowering.h"
+#include "bindings/dist_backend.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"
@@ -37,6 +38,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("_configure_plugin", &configure_plugin);
+  register_dist_backend_bindings(m);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
   m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
