@@ -95,6 +95,17 @@ def test_fsdp_tp_2d_mesh_matches_one_process(four):
     check_data_parallel([r["fsdp_tp"] for r in results], "attn", lambda r: r["dp_rank"])
 
 
+@pytest.mark.parametrize("launch_name,case", [("two", "fsdp"), ("four", "fsdp"), ("four", "fsdp_tp")])
+def test_steady_steps_compile_nothing(launch_name, case, request):
+    """After step 2 a step compiles nothing and runs the same programs and collectives."""
+    _, results = request.getfixturevalue(launch_name)
+    for r in results:
+        steps = r[case]["per_step"]  # per step: compiles, graphs, executions, staged collectives
+        assert len(steps) == M.STEPS and steps[0][3] > 0
+        assert all(s[0] == 0 for s in steps[2:]), steps
+        assert all(s[1:] == steps[2][1:] for s in steps[2:]), steps
+
+
 def test_no_cpu_fallback_and_staged_collectives(two, four):
     for _, results in (two, four):
         for r in results:

@@ -76,17 +76,30 @@ def build(kind, dp_mesh=None, tp_mesh=None):
     return model
 
 
-def train(model, kind, dp_rank, dp_size):
+STEP_METRICS = ("compiles", "graphs", "executions", "dist_collectives_staged")
+
+
+def step_metrics():
+    import torch_pjrt
+    m = torch_pjrt.metrics()
+    return [m[k] for k in STEP_METRICS]
+
+
+def train(model, kind, dp_rank, dp_size, per_step=None):
+    """STEPS AdamW steps on this dp rank's slice; per_step (a list) gets each step's STEP_METRICS deltas."""
     opt = M.optimizer(model.parameters())
     per = GLOBAL_BATCH // dp_size
     losses = []
     for x, y in M.batches(kind, GLOBAL_BATCH):
+        before = step_metrics()
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
         loss = M.loss_fn(model(x.to("tpu")), y.to("tpu"))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+        if per_step is not None:
+            per_step.append([b - a for a, b in zip(before, step_metrics())])
     return opt, [v.item() for v in losses]
 
 
@@ -108,8 +121,9 @@ def case_fsdp(rank, world):
     mesh = init_device_mesh("tpu", (world,))
     model = build("mlp", dp_mesh=mesh)
     reshard = watch_reshard(model)
-    _, losses = train(model, "mlp", rank, world)
-    return {"losses": losses, "params": full_params(model), "reshard": reshard}
+    per_step = []
+    _, losses = train(model, "mlp", rank, world, per_step)
+    return {"losses": losses, "params": full_params(model), "reshard": reshard, "per_step": per_step}
 
 
 def case_tp(kind):
@@ -127,8 +141,10 @@ def case_fsdp_tp(rank, world):
     assert world == 4, "fsdp_tp runs on a 2x2 mesh"
     mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build("attn", dp_mesh=mesh["dp"], tp_mesh=mesh["tp"])
-    _, losses = train(model, "attn", mesh["dp"].get_local_rank(), 2)
-    return {"losses": losses, "params": full_params(model), "dp_rank": mesh["dp"].get_local_rank()}
+    per_step = []
+    _, losses = train(model, "attn", mesh["dp"].get_local_rank(), 2, per_step)
+    return {"losses": losses, "params": full_params(model), "dp_rank": mesh["dp"].get_local_rank(),
+            "per_step": per_step}
 
 
 def mismatches(model, opt, other, other_opt):
