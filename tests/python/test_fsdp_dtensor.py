@@ -28,9 +28,9 @@ LAUNCH_TIMEOUT = 600  # seconds, per launch (a launch takes ~1 minute on an idle
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def launch(tmp_path_factory, name, nproc, cases, mode):
+def launch(tmp_path_factory, name, nproc, cases, mode, **extra_env):
     out = tmp_path_factory.mktemp(name)
-    env = dict(os.environ, TORCH_PJRT_MODE=mode, FSDP_TEST_COLLECTIVE_TIMEOUT="240",
+    env = dict(os.environ, TORCH_PJRT_MODE=mode, FSDP_TEST_COLLECTIVE_TIMEOUT="240", **extra_env,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "fsdp_train.py"), str(out), str(nproc), ",".join(cases)],
                        capture_output=True, text=True, env=env, timeout=LAUNCH_TIMEOUT)
@@ -45,9 +45,10 @@ def two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    """4 processes, strict mode: FSDP2 + TP on a 2x2 mesh, FSDP2 over 4."""
-    return launch(tmp_path_factory, "four", 4, ["fsdp_tp", "fsdp"], "strict")
+def four(tmp_path_factory, two):
+    """4 processes, strict mode: FSDP2 + TP on a 2x2 mesh, FSDP2 over 4, loading the 2-process checkpoint."""
+    return launch(tmp_path_factory, "four", 4, ["fsdp_tp", "fsdp", "dcp_reshard"], "strict",
+                  FSDP_TEST_CHECKPOINT=str(two[0] / "dcp"))
 
 
 def check_params(got, want):
@@ -122,6 +123,19 @@ def test_dcp_save_load_sharded_state(two):
         assert d["n_opt_states"] == 3 * len(d["params"])  # AdamW: step, exp_avg, exp_avg_sq per parameter
         check_params(d["fresh_params"], d["params"])
     check_params(results[0]["dcp"]["params"], M.reference("mlp", GLOBAL_BATCH)[1])
+
+
+def test_dcp_load_with_another_world_size(two, four):
+    """Saved sharded over 2 processes, loaded sharded over 4: the same full model and optimizer state."""
+    saved = two[1][0]["dcp"]
+    assert len(saved["full_optim"]) == 3 * len(saved["params"])  # rank 0 holds the full optimizer state
+    for r in four[1]:
+        check_params(r["dcp_reshard"]["params"], saved["params"])
+    got, want = four[1][0]["dcp_reshard"]["full_optim"], saved["full_optim"]
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.as_tensor(got[key]).device.type == "cpu"
+        torch.testing.assert_close(torch.as_tensor(got[key]), torch.as_tensor(want[key]), rtol=0, atol=0, msg=key)
 
 
 LOAD_WITHOUT_PLUGIN = r"""

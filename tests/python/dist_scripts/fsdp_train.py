@@ -6,7 +6,8 @@ Spawns NPROC processes (each sees its chip as tpu:0), runs the cases in order
 and writes OUT_DIR/rank{R}.pt: per case the losses and the full (gathered, CPU)
 parameters after the steps, plus the process's CPU-fallback counts. The pytest
 side (test_fsdp_dtensor.py) compares them with fsdp_models.reference on the CPU.
-Cases: fsdp, tp_mlp, tp_attn, fsdp_tp (needs 4 processes: a 2x2 mesh), dcp.
+Cases: fsdp, tp_mlp, tp_attn, fsdp_tp (needs 4 processes: a 2x2 mesh), dcp,
+dcp_reshard (loads the dcp case's checkpoint, named by FSDP_TEST_CHECKPOINT).
 """
 import datetime
 import os
@@ -197,7 +198,29 @@ def case_dcp(rank, world, out_dir):
     dist.barrier()
     n_opt_states = sum(len(s) for s in fresh_opt.state.values())
     return {"mismatch": mismatch, "differed_before": differed_before, "params": full_params(model),
-            "n_opt_states": n_opt_states, "fresh_params": full_params(fresh)}
+            "n_opt_states": n_opt_states, "fresh_params": full_params(fresh), "full_optim": full_optim(model, opt)}
+
+
+def full_optim(model, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload: rank 0 gets the whole state, the others an empty dict
+    return {f"{name}.{key}": v for name, state in sd.get("state", {}).items() for key, v in state.items()}
+
+
+def case_dcp_reshard(rank, world):
+    """Loads the checkpoint another launch saved with a different world size (FSDP_TEST_CHECKPOINT)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("tpu", (world,))
+    model = build("mlp", dp_mesh=mesh)
+    opt = M.optimizer(model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.environ["FSDP_TEST_CHECKPOINT"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"params": full_params(model), "full_optim": full_optim(model, opt)}
 
 
 def worker(rank, world, out_dir, cases, port):
@@ -208,7 +231,8 @@ def worker(rank, world, out_dir, cases, port):
     dist.init_process_group(timeout=TIMEOUT)  # cpu:gloo,tpu:tpu_dist
     results = {}
     runners = {"fsdp": case_fsdp, "tp_mlp": case_tp("mlp"), "tp_attn": case_tp("attn"),
-               "fsdp_tp": case_fsdp_tp, "dcp": lambda r, w: case_dcp(r, w, out_dir)}
+               "fsdp_tp": case_fsdp_tp, "dcp": lambda r, w: case_dcp(r, w, out_dir),
+               "dcp_reshard": case_dcp_reshard}
     try:
         for case in cases:
             results[case] = runners[case](rank, world)
