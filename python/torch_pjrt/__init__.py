@@ -54,8 +54,11 @@ def _register() -> None:
 
 _register()
 _compile.register()  # torch.compile(..., backend="tpu")
-from . import distributed as _distributed
-_distributed.register()  # the c10d backend "tpu_dist"
+if torch.distributed.is_available():
+    from . import distributed as _distributed
+    _distributed.register()  # the c10d backend "tpu_dist"
+else:
+    _distributed = None
 
 
 def _print_from_host() -> None:
@@ -162,13 +165,15 @@ def metrics() -> dict:
     """Counters since start (or reset_metrics()): compiles, cache hits, executions, transfers, CPU fallbacks per op,
     and torch.distributed collectives (dist_*: staged through Gloo or in XLA, bytes staged each way)."""
     m = _C._metrics()
-    m.update(_distributed.counters())
+    if _distributed is not None:
+        m.update(_distributed.counters())
     return m
 
 
 def reset_metrics() -> None:
     _C._reset_metrics()
-    _distributed.reset_counters()
+    if _distributed is not None:
+        _distributed.reset_counters()
 
 
 def metrics_report() -> str:
@@ -180,10 +185,11 @@ def metrics_report() -> str:
         f"disk cache: {m['disk_cache_hits']} hits, {m['disk_cache_misses']} misses, {m['disk_cache_writes']} writes, "
         f"{m['disk_cache_corrupt']} corrupt",
         f"transfers: {m['host_to_device_bytes']} B to device, {m['device_to_host_bytes']} B to host",
-        f"distributed: {m['dist_collectives_staged']} collectives staged through gloo "
-        f"({m['dist_staged_bytes_to_host']} B to host, {m['dist_staged_bytes_to_device']} B back), "
-        f"{m['dist_collectives_in_xla']} in XLA",
     ]
+    if "dist_collectives_staged" in m:
+        lines.append(f"distributed: {m['dist_collectives_staged']} collectives staged through gloo "
+                     f"({m['dist_staged_bytes_to_host']} B to host, {m['dist_staged_bytes_to_device']} B back), "
+                     f"{m['dist_collectives_in_xla']} in XLA")
     for reason in m["recompile_reasons"][-3:]:
         lines.append("recompiled: " + reason)
     if m["cpu_fallbacks"]:

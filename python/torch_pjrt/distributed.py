@@ -145,13 +145,19 @@ class _TpuDistBackend:
 
     # -- paths -------------------------------------------------------------------------------------
     def _path(self, name: str, tensors) -> str:
-        """Where this collective runs. Across processes on the CPU plugin: Gloo through host memory."""
+        """Where this collective runs: "staged" (Gloo through host memory: across processes on the CPU plugin).
+
+        The place for the other paths: "xla" (a collective op inside the device program: several devices in one
+        process, or a plugin with a PJRT distributed client). They return their own name here and run in
+        `_run` instead of the staged body."""
         return "staged"
 
-    def _staged(self, name: str, tensors, run, result):
-        """Runs `run(staging)` (which starts Gloo's collective on host tensors and returns its work),
-        waits, copies results back, and returns a finished Work."""
-        self._path(name, tensors)
+    def _run(self, name: str, tensors, run, result):
+        """One collective: `run(staging)` starts Gloo's collective on host tensors and returns its work;
+        this waits, copies results back into the user's tensors and returns a finished Work."""
+        path = self._path(name, tensors)
+        if path != "staged":
+            raise NotImplementedError(f"tpu_dist: no {path} path for {name}")
         self._enter(name)
         staging = _Staging()
         work = run(staging)
@@ -233,7 +239,7 @@ class _TpuDistBackend:
             work = self._gloo.allreduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._staged("all_reduce", tensors, run, tensors)
+        return self._run("all_reduce", tensors, run, tensors)
 
     def allreduce_coalesced(self, tensors, opts):
         gloo_opts, divisor = self._reduce_op("all_reduce_coalesced", opts, tensors, dist.AllreduceCoalescedOptions)
@@ -243,7 +249,7 @@ class _TpuDistBackend:
             work = self._gloo.allreduce_coalesced(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._staged("all_reduce_coalesced", tensors, run, tensors)
+        return self._run("all_reduce_coalesced", tensors, run, tensors)
 
     def reduce(self, tensors, opts):
         gloo_opts, divisor = self._reduce_op("reduce", opts, tensors, dist.ReduceOptions)
@@ -256,7 +262,7 @@ class _TpuDistBackend:
             work = self._gloo.reduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor) if is_root else None)
 
-        return self._staged("reduce", tensors, run, tensors)
+        return self._run("reduce", tensors, run, tensors)
 
     def _reduce_scatter_base(self, output, input, opts):
         gloo_opts, divisor = self._reduce_op("reduce_scatter_tensor", opts, [input], dist.ReduceScatterOptions)
@@ -266,7 +272,7 @@ class _TpuDistBackend:
             work = self._gloo._reduce_scatter_base(out, s.read(input), gloo_opts)
             return _Then(work, lambda: self._divide([out], divisor))
 
-        return self._staged("reduce_scatter_tensor", [output, input], run, output)
+        return self._run("reduce_scatter_tensor", [output, input], run, output)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         flat_inputs = [t for ts in input_lists for t in ts]
@@ -277,7 +283,7 @@ class _TpuDistBackend:
             work = self._gloo.reduce_scatter(outs, [[s.read(t) for t in ts] for ts in input_lists], gloo_opts)
             return _Then(work, lambda: self._divide(outs, divisor))
 
-        return self._staged("reduce_scatter", outputs + flat_inputs, run, outputs)
+        return self._run("reduce_scatter", outputs + flat_inputs, run, outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         # One Gloo reduce_scatter_tensor of one host buffer: row r holds every input's r-th chunk.
@@ -298,7 +304,7 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._staged("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs)
+        return self._run("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs)
 
     # -- data movement -----------------------------------------------------------------------------
     def broadcast(self, tensors, opts):
@@ -308,7 +314,7 @@ class _TpuDistBackend:
             hosts = [s.read(t) if is_root else s.write(t) for t in tensors]
             return self._gloo.broadcast(hosts, opts)
 
-        return self._staged("broadcast", tensors, run, tensors)
+        return self._run("broadcast", tensors, run, tensors)
 
     def allgather(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -317,7 +323,7 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.allgather(outs, [s.read(t) for t in inputs], opts)
 
-        return self._staged("all_gather", flat + inputs, run, output_lists)
+        return self._run("all_gather", flat + inputs, run, output_lists)
 
     def allgather_coalesced(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -326,13 +332,13 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.allgather_coalesced(outs, [s.read(t) for t in inputs], opts)
 
-        return self._staged("all_gather_coalesced", flat + inputs, run, output_lists)
+        return self._run("all_gather_coalesced", flat + inputs, run, output_lists)
 
     def _allgather_base(self, output, input, opts):
         def run(s):
             return self._gloo._allgather_base(s.write(output), s.read(input), opts)
 
-        return self._staged("all_gather_into_tensor", [output, input], run, output)
+        return self._run("all_gather_into_tensor", [output, input], run, output)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         # One Gloo all_gather_into_tensor of the concatenated inputs; row r is rank r's inputs.
@@ -350,7 +356,7 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._staged("all_gather_into_tensor_coalesced", outputs + inputs, run, outputs)
+        return self._run("all_gather_into_tensor_coalesced", outputs + inputs, run, outputs)
 
     def gather(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -359,7 +365,7 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.gather(outs, [s.read(t) for t in inputs], opts)
 
-        return self._staged("gather", flat + inputs, run, output_lists)
+        return self._run("gather", flat + inputs, run, output_lists)
 
     def scatter(self, outputs, input_lists, opts):
         flat = [t for ts in input_lists for t in ts]
@@ -368,13 +374,13 @@ class _TpuDistBackend:
             outs = [s.write(t) for t in outputs]
             return self._gloo.scatter(outs, [[s.read(t) for t in ts] for ts in input_lists], opts)
 
-        return self._staged("scatter", outputs + flat, run, outputs)
+        return self._run("scatter", outputs + flat, run, outputs)
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts):
         def run(s):
             return self._gloo.alltoall_base(s.write(output), s.read(input), output_splits, input_splits, opts)
 
-        return self._staged("all_to_all_single", [output, input], run, output)
+        return self._run("all_to_all_single", [output, input], run, output)
 
     def alltoall(self, outputs, inputs, opts):
         # Gloo has only the single-tensor form: one flat buffer each way, split per rank.
@@ -391,12 +397,12 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._staged("all_to_all", outputs + inputs, run, outputs)
+        return self._run("all_to_all", outputs + inputs, run, outputs)
 
     def barrier(self, opts):
         gloo_opts = dist.BarrierOptions()
         gloo_opts.timeout = opts.timeout
-        return self._staged("barrier", [], lambda s: self._gloo.barrier(gloo_opts), None)
+        return self._run("barrier", [], lambda s: self._gloo.barrier(gloo_opts), None)
 
     # -- point to point ----------------------------------------------------------------------------
     def send(self, tensors, dst, tag):

@@ -23,18 +23,18 @@ SCRIPTS = os.path.join(ROOT, "tests", "python", "dist_scripts")
 LAUNCH_TIMEOUT_S = 240  # the machine may be heavily loaded; a hang still ends here
 
 
-def _env(mode):
-    env = dict(os.environ)
+def _env(mode, **extra):
+    env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
     env["TORCH_PJRT_MODE"] = mode
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def torchrun(script, nproc, *args, mode="fused"):
+def torchrun(script, nproc, *args, mode="fused", **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(SCRIPTS, script), *args]
-    proc = subprocess.run(cmd, env=_env(mode), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(cmd, env=_env(mode, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     results = [line for line in out.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and len(results) == nproc, f"exit {proc.returncode}\n{out[-6000:]}"
@@ -73,6 +73,13 @@ def test_mpmd_rank0_evaluates_and_checkpoints(tmp_path):
                        mode="strict")
     assert all("failures=0" in r for r in results), results
     assert sorted(os.listdir(tmp_path)) == ["step2.pt", "step5.pt", "step8.pt"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+@pytest.mark.parametrize("per_process", ["1", "2"])
+def test_torchrun_local_rank_picks_the_device(per_process):
+    results = torchrun("local_device.py", 2, mode="fused", TORCH_PJRT_CPU_DEVICES=per_process)
+    assert all("failures=0" in r for r in results), results
 
 
 def _launch_failing_ranks(tmp_path, mode, timeout_s):

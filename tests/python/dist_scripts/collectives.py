@@ -246,6 +246,28 @@ out_ref = torch.zeros(2)
 dist.reduce_scatter_tensor(out_ref, ref, group=gloo)
 check("funcol.reduce_scatter_tensor", funcol.wait_tensor(y), out_ref)
 
+# object collectives (pickled bytes in uint8 tensors on the group's device)
+objs = [None] * world
+dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"})
+check("all_gather_object", torch.tensor([o["rank"] for o in objs]), torch.arange(world))
+box = [f"from rank {rank}", rank] if rank == world - 1 else [None, None]
+dist.broadcast_object_list(box, src=world - 1)
+check("broadcast_object_list", torch.tensor(box[1]), torch.tensor(world - 1))
+
+# a subgroup of the first and last rank (its own Gloo group; group ranks != global ranks)
+members = [0, world - 1]
+sub = dist.new_group(members)
+sub_ref = dist.new_group(members, backend="gloo")
+if rank in members:
+    x, ref = both(lambda: data((3,), torch.float32, 80))
+    dist.all_reduce(x, group=sub)
+    dist.all_reduce(ref, group=sub_ref)
+    check("all_reduce on a subgroup", x, ref)
+    x, ref = both(lambda: data((2,), torch.int64, 81))
+    dist.broadcast(x, src=world - 1, group=sub)
+    dist.broadcast(ref, src=world - 1, group=sub_ref)
+    check("broadcast on a subgroup from a global rank", x, ref)
+
 # cpu tensors on the default group, and barrier
 c = data((3,), torch.float32, 70)
 c_ref = c.clone()
