@@ -22,7 +22,7 @@ import fsdp_models as M  # noqa: E402
 from fsdp_train import GLOBAL_BATCH  # noqa: E402
 
 pytestmark = [pytest.mark.modes_inside,  # each launch picks its mode: once per `make test`
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(1300)]  # a test may set up both launches (-k): 2 x LAUNCH_TIMEOUT + checks
 
 LAUNCH_TIMEOUT = 600  # seconds, per launch (a launch takes ~1 minute on an idle 2-core machine)
 TOL = dict(rtol=1e-4, atol=1e-5)
