@@ -421,8 +421,7 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    // Growth keeps the buffer; reads pad it with zeros up to nbytes.
-    set_storage_bytes(storage, newsize);
+    resize_storage_after_graph(storage, newsize);
   }
 };
 

@@ -35,6 +35,11 @@ pjrt::BufferPtr readable_buffer(const StorageState& st);
 // Gives the storage a whole new value, after the recorded graph if it writes
 // the storage (under the graph's lock: no op records in between).
 void install_after_graph(StorageState& st, pjrt::BufferPtr buffer);
+// Sets a storage's byte size (tensor resize_, untyped_storage().resize_),
+// after the recorded graph if it uses the storage: its ops were keyed and must
+// be lowered at the old size. Size 0 frees the buffer (FSDP2 frees unsharded
+// parameters so); growth keeps it (reads pad it with zeros up to the size).
+void resize_storage_after_graph(const c10::Storage& storage, size_t nbytes);
 // Runs any recorded graph, then waits for all work enqueued so far on every
 // device (or on `device`) and for non_blocking uploads; raises failed checks.
 void synchronize();

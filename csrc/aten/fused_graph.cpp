@@ -557,6 +557,16 @@ void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
   install_buffer(st, std::move(buffer));
 }
 
+void resize_storage_after_graph(const c10::Storage& storage, size_t nbytes) {
+  StorageState& st = storage_state(storage);
+  if (!runtime_started()) return set_storage_bytes(storage, nbytes);  // no graph can hold it yet
+  PendingGraph& g = pending_graph(st.device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.ids.count(&st)) run_graph(g);
+  set_storage_bytes(storage, nbytes);
+  if (nbytes == 0) install_buffer(st, nullptr);
+}
+
 }  // namespace torch_pjrt
 
 // ---- replay of a compiled (torch.compile) graph ------------------------------

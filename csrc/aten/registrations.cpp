@@ -57,9 +57,8 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
 void ensure_storage_bytes(const at::Tensor& self, size_t needed) {
   const c10::Storage& storage = self.storage();
   if (needed <= storage.nbytes()) return;
-  if (storage_state(storage).pending) flush_pending();  // recorded ops saw the old size
   TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
-  set_storage_bytes(storage, needed);
+  resize_storage_after_graph(storage, needed);
 }
 
 size_t bytes_needed(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offset, size_t itemsize) {
