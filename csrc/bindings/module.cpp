@@ -8,8 +8,10 @@
 
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
 #include "aten/lowering.h"
+#include "bindings/interpreter_exit.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"
@@ -36,6 +38,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
+  install_interpreter_exit_guard();
+  m.def("_begin_interpreter_exit", &begin_interpreter_exit);
   m.def("_configure_plugin", &configure_plugin);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
   m.def("_note_cpu_fallback", &note_cpu_fallback);
@@ -48,7 +52,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_device", &set_current_device);
   // Waiting for the device or a graph never holds the GIL: threads recording
   // ops take it to note their source line.
-  using release_gil = py::call_guard<py::gil_scoped_release>;
+  // ExitGate after the release: it may park the thread at exit before the GIL is taken back.
+  using release_gil = py::call_guard<py::gil_scoped_release, ExitGate>;
   // -1: every device (torch_pjrt.sync's and the test harness's meaning).
   m.def("_synchronize", [](int device) { device < 0 ? synchronize() : synchronize(device); }, py::arg("device") = -1,
         release_gil());
