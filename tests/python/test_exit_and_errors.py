@@ -107,3 +107,40 @@ def test_idle_daemon_thread_does_not_delay_the_exit():
     elapsed = time.monotonic() - start
     assert proc.returncode == 0 and "ok True" in proc.stdout and "atexit" in proc.stdout, proc.stderr[-3000:]
     assert elapsed < 60  # the import and one compile; a hang would reach the timeout
+
+
+# ------------------------------------------------ a failed index check's writes
+# What a program whose runtime index check failed leaves behind (docs/architecture.md,
+# "Runtime checks"): the error comes at the next wait; the written tensor holds the
+# in-range updates, and the out-of-range ones are dropped, never clamped onto another
+# element. (The CPU raises partway through its loop: the elements before the bad index
+# are written there.) The device keeps working and reports the error once.
+import torch  # noqa: E402
+
+from conftest import DEVICE  # noqa: E402
+
+
+def _write(op, x, idx, src):
+    if op == "index_put_":
+        return x.index_put_((idx,), src)
+    if op == "scatter_":
+        return x.scatter_(0, idx, src)
+    return x.index_copy_(0, idx, src)
+
+
+@pytest.mark.parametrize("op", ["index_put_", "scatter_", "index_copy_"])
+def test_failed_index_check_drops_only_the_bad_writes(op):
+    idx = [0, 1, 9, 3]
+    src = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    x = torch.zeros(6, device=DEVICE)
+    with pytest.raises((IndexError, RuntimeError), match="out of"):
+        _write(op, x, torch.tensor(idx, device=DEVICE), src.to(DEVICE))
+        x.cpu()  # the next wait, in modes that do not wait at the op
+    got = x.cpu()
+    # CPU reference for the in-range updates alone: what is written, and nothing else.
+    expected = torch.zeros(6)
+    keep = [i for i, j in enumerate(idx) if j < 6]
+    _write(op, expected, torch.tensor([idx[i] for i in keep]), src[keep])
+    torch.testing.assert_close(got, expected)
+    # Reported once, and the device goes on.
+    torch.testing.assert_close((x + 1).cpu(), expected + 1)
