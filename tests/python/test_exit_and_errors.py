@@ -89,24 +89,25 @@ def test_cpu_daemon_threads_do_not_crash_the_exit():
 
 
 # A daemon thread blocked in Python (not in a device call) must not delay the
-# exit: the exit waits only for threads inside device calls, and only briefly.
+# exit: our atexit hook waits only for threads inside device calls. A hook
+# registered before torch_pjrt's runs after it (atexit is last in, first out).
 _IDLE_DAEMON_AT_EXIT = """
-import threading, time, torch, torch_pjrt
+import atexit, threading, time
+marks = {}
+atexit.register(lambda: print("atexit took %.3f s" % (time.monotonic() - marks["end"]), flush=True))
+import torch, torch_pjrt
 x = torch.ones(4, device="tpu")
 threading.Thread(target=lambda: time.sleep(1000), daemon=True).start()
-start = time.monotonic()
-import atexit
-atexit.register(lambda: print("atexit", flush=True))
 print("ok", float(x.sum()) == 4.0, flush=True)
+marks["end"] = time.monotonic()
 """
 
 
 def test_idle_daemon_thread_does_not_delay_the_exit():
-    start = time.monotonic()
     proc = _run(_IDLE_DAEMON_AT_EXIT, "fused")
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0 and "ok True" in proc.stdout and "atexit" in proc.stdout, proc.stderr[-3000:]
-    assert elapsed < 60  # the import and one compile; a hang would reach the timeout
+    assert proc.returncode == 0 and "ok True" in proc.stdout, proc.stderr[-3000:]
+    took = float(proc.stdout.split("atexit took ")[1].split()[0])
+    assert took < 1.0, proc.stdout  # the wait for threads inside device calls is bounded at 2 s
 
 
 # ------------------------------------------------ a failed index check's writes
