@@ -8,7 +8,7 @@ namespace torch_pjrt {
 // device entry point, or is about to take the GIL inside one, parks forever
 // instead (the process exit ends it), so no daemon thread runs the runtime
 // while the process tears down. Waits up to `wait_ms` for threads already
-// inside an entry point to leave (an op finishes in milliseconds).
+// inside an entry point to leave (an op takes milliseconds, a compile seconds).
 // `python_thread_without_gil` says whether the calling thread may park: a
 // thread holding the GIL must not (it would block the exit), one without a
 // Python thread state (autograd's device threads) need not.

@@ -21,9 +21,11 @@
 // terminate goes to the previous handler (torch's, then libstdc++'s).
 //
 // begin_interpreter_exit (atexit, before finalization) also stops device work:
-// entry points park Python threads from then on (aten/device.h, ExitGate), and
-// threads already inside one get a bounded time to leave, so no daemon thread
-// runs the runtime while the process tears down.
+// entry points park Python threads from then on (aten/exit_gate.h, ExitGate),
+// and threads already inside one get a bounded time to leave, so no daemon
+// thread runs the runtime while the process tears down. Known limit: threads
+// without a Python state (autograd's device threads) are not parked, as the
+// exiting thread may need them; a backward running at exit goes on until done.
 #include "bindings/interpreter_exit.h"
 
 #include <Python.h>
@@ -80,7 +82,9 @@ void begin_interpreter_exit() {
   g_exit_thread = pthread_self();
   g_exit_began = true;
   Py_BEGIN_ALLOW_THREADS  // threads finishing device work may need the GIL
-  close_device_at_exit(&python_thread_without_gil, /*wait_ms=*/2000);
+  // Bounded, yet long enough for a compile in flight: a thread still inside
+  // our code when exit() destroys static objects could crash.
+  close_device_at_exit(&python_thread_without_gil, /*wait_ms=*/30000);
   Py_END_ALLOW_THREADS
 }
 
