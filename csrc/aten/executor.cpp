@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "aten/device.h"
+#include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
 #include "aten/op_call.h"
 #include "aten/device_context.h"
@@ -1571,6 +1572,7 @@ void note_cpu_fallback(const std::string& name, const std::string& why) {
   }
 }
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  ExitGate gate;  // first, so destroyed last (exit_gate.h)
   check_not_forked();
   std::string why;
   try {

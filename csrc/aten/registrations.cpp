@@ -16,6 +16,7 @@
 
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/exit_gate.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
 #include "graph/metrics.h"
@@ -137,18 +138,21 @@ bool upload_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  ExitGate gate;  // a device entry point (exit_gate.h), as are the two below
   if (non_blocking && upload_pinned_async(dst, self)) return dst;
   copy_into(dst, self);  // waits for the host memory to be read
   return dst;
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  ExitGate gate;
   if (!dst.sizes().equals(self.sizes())) dst.resize_(self.sizes());
   copy_into(dst, self);
   return dst;
 }
 
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
+  ExitGate gate;
   TORCH_CHECK(self.numel() == 1, "a Tensor with ", self.numel(), " elements cannot be converted to Scalar");
   return to_host(self).item();
 }

@@ -9,9 +9,11 @@
 #include "aten/collectives.h"
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
 #include "aten/lowering.h"
 #include "bindings/dist_backend.h"
+#include "bindings/interpreter_exit.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"
@@ -38,6 +40,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
+  install_interpreter_exit_guard();
+  m.def("_begin_interpreter_exit", &begin_interpreter_exit);
   m.def("_configure_plugin", &configure_plugin);
   register_dist_backend_bindings(m);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
@@ -51,7 +55,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_device", &set_current_device);
   // Waiting for the device or a graph never holds the GIL: threads recording
   // ops take it to note their source line.
-  using release_gil = py::call_guard<py::gil_scoped_release>;
+  // ExitGate after the release: it may park the thread at exit before the GIL is taken back.
+  using release_gil = py::call_guard<py::gil_scoped_release, ExitGate>;
   // -1: every device (torch_pjrt.sync's and the test harness's meaning).
   m.def("_synchronize", [](int device) { device < 0 ? synchronize() : synchronize(device); }, py::arg("device") = -1,
         release_gil());

@@ -5,6 +5,8 @@
 
 #include <Python.h>
 
+#include "aten/exit_gate.h"
+
 #include <map>
 #include <mutex>
 #include <string>
@@ -129,6 +131,7 @@ graph::SourceLocation capture_with_gil() {
 // (autograd's device threads) has no user frame to find.
 graph::SourceLocation capture() {
   if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return 0;
+  park_if_device_closed();  // at exit, taking the GIL would end this thread in our frames
   PyGILState_STATE gil = PyGILState_Ensure();
   graph::SourceLocation id = capture_with_gil();
   PyGILState_Release(gil);

@@ -18,6 +18,7 @@ def _autoload() -> None:
     """
 
 
+import atexit
 import contextlib
 import os
 import threading
@@ -50,6 +51,9 @@ def _register() -> None:
     import sysconfig
     library_dirs = [os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]]
     _C._install_location_hook([os.path.join(d, "") for d in library_dirs])
+    # Registered at import, so it runs after the atexit hooks registered later
+    # (DataLoader's): daemon threads still using the device stop there (interpreter_exit.cpp).
+    atexit.register(_C._begin_interpreter_exit)
 
 
 _register()
