@@ -172,7 +172,9 @@ const bool g_fork_handlers_registered = pthread_atfork(fork_prepare, fork_parent
 struct TpuAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     check_not_forked();
-    auto* state = new StorageState{nullptr, nbytes, current_device()};
+    auto* state = new StorageState;  // fields by name: a positional init silently shifted when one was added
+    state->nbytes = nbytes;
+    state->device = current_device();
     {
       std::lock_guard<std::mutex> lock(memory().mutex);
       track_storage(state->device, static_cast<int64_t>(nbytes), 1);
