@@ -28,21 +28,12 @@ check-binaries:
 # C++ runtime tests, then the Python suite in each execution mode (files marked
 # modes_inside pick their modes themselves and run once, in the fused pass; debug
 # skips the OpInfo sweep: it only adds waiting to strict's programs).
-# Each pass runs in three processes: XLA:CPU maps about 4 memory regions per
-# loaded program and nothing evicts programs yet, so one process that compiles
-# ~17,000 programs exceeds vm.max_map_count (65530) and crashes (known defect,
-# docs/architecture.md "Compile cache").
-GROUPS = a-f g-o p-z
 test: check-binaries build
 	cd $(BUILD) && ctest --output-on-failure
-	for g in $(GROUPS); do \
-	  TORCH_PJRT_MODE=fused $(PY) -m pytest -q -p no:cacheprovider tests/python/test_[$$g]*.py || exit 1; done
-	for mode in strict lazy; do for g in $(GROUPS); do \
-	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python/test_[$$g]*.py \
-	  || exit 1; done; done
-	for g in $(GROUPS); do \
-	  TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python/test_[$$g]*.py \
-	  -k "not opinfo" || exit 1; done
+	TORCH_PJRT_MODE=fused $(PY) -m pytest -q -p no:cacheprovider tests/python
+	for mode in strict lazy; do \
+	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python || exit 1; done
+	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python -k "not opinfo"
 
 bench: build
 	PYTHONPATH=python $(PY) benchmarks/bench_eager.py

@@ -69,7 +69,7 @@ Runtime& runtime() {
         disk = std::make_unique<graph::DiskCache>(dir, identity, max_bytes);
       }
       rt.cache = std::make_unique<graph::CompileCache>(rt.client, std::move(disk),
-                                                      graph::CompileCache::max_loaded_from_env());
+                                                      graph::CompileCache::limits_from_env());
       g_started = true;
     } catch (const std::exception& e) {
       error = e.what();

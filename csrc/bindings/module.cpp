@@ -131,12 +131,16 @@ PYBIND11_MODULE(_C, m) {
     d["disk_cache_corrupt"] = s.disk_cache_corrupt.get();
     d["disk_cache_evictions"] = s.disk_cache_evictions.get();
     d["disk_cache_load_seconds"] = s.disk_cache_load_seconds.get();
-    // Loaded programs now (a gauge, not reset): the cache's, bounded by
-    // TORCH_PJRT_MAX_LOADED_PROGRAMS, and every executable alive (those also held by running work).
+    // Loaded programs now (gauges, not reset): the cache's and the memory maps
+    // they added, bounded by TORCH_PJRT_MAX_LOADED_PROGRAMS / _MAPS, and every
+    // executable alive (running work holds unloaded ones until it finishes).
     bool started = runtime_started() && !in_bad_fork();
+    auto limits = started ? compile_cache().limits() : graph::CompileCache::limits_from_env();
     d["programs_loaded"] = started ? compile_cache().loaded() : 0;
+    d["program_maps"] = started ? compile_cache().loaded_maps() : 0;
     d["executables_alive"] = pjrt::LoadedExecutable::alive();
-    d["max_loaded_programs"] = started ? compile_cache().max_loaded() : graph::CompileCache::max_loaded_from_env();
+    d["max_loaded_programs"] = limits.programs;
+    d["max_loaded_maps"] = limits.maps;
     d["programs_unloaded"] = s.programs_unloaded.get();
     d["programs_reloaded"] = s.programs_reloaded.get();
     d["graph_lowering_seconds"] = s.graph_lowering_seconds.get();

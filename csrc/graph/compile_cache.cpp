@@ -7,6 +7,9 @@
 #include <string>
 #include <fstream>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "pjrt/error.h"
 
 #include "graph/metrics.h"
@@ -87,18 +90,45 @@ pjrt::CompileOptions CompileCache::options(Effort effort) const {
   return options;
 }
 
-int64_t CompileCache::max_loaded_from_env() {
-  const char* env = std::getenv("TORCH_PJRT_MAX_LOADED_PROGRAMS");
-  if (!env || !*env) return kDefaultMaxLoaded;
+namespace {
+
+// A positive integer from the environment, else `fallback`.
+int64_t positive_env(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return fallback;
   char* end = nullptr;
   long long n = std::strtoll(env, &end, 10);
-  if (*end || n < 1)
-    throw pjrt::Error("TORCH_PJRT_MAX_LOADED_PROGRAMS must be a positive integer, got '" + std::string(env) + "'");
+  if (*end || n < 1) throw pjrt::Error(std::string(name) + " must be a positive integer, got '" + env + "'");
   return n;
 }
 
-CompileCache::CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk, int64_t max_loaded)
-    : client_(std::move(client)), disk_(std::move(disk)), max_loaded_(std::max<int64_t>(max_loaded, 1)) {}
+// Lines of /proc/self/maps (-1 where there is none): what vm.max_map_count limits.
+int64_t process_memory_maps() {
+  int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buffer[1 << 16];
+  int64_t lines = 0;
+  ssize_t n;
+  while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) lines += std::count(buffer, buffer + n, '\n');
+  ::close(fd);
+  return lines;
+}
+
+}  // namespace
+
+CompileCache::Limits CompileCache::limits_from_env() {
+  Limits limits;
+  limits.programs = positive_env("TORCH_PJRT_MAX_LOADED_PROGRAMS", limits.programs);
+  if (std::ifstream f("/proc/sys/vm/max_map_count"); f) {
+    int64_t max_map_count = 0;
+    if (f >> max_map_count && max_map_count > 1) limits.maps = max_map_count / 2;
+  }
+  limits.maps = positive_env("TORCH_PJRT_MAX_LOADED_MAPS", limits.maps);
+  return limits;
+}
+
+CompileCache::CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk, Limits limits)
+    : client_(std::move(client)), disk_(std::move(disk)), limits_(limits) {}
 
 pjrt::ExecutablePtr Program::executable() { return cache_.executable(*this); }
 
@@ -141,11 +171,11 @@ ProgramPtr CompileCache::find_or_add(std::string key, size_t text_offset, size_t
     }
   }
   ProgramPtr p(new Program(*this, std::move(key), text_offset, device_index, effort, std::move(replicas)));
-  pjrt::ExecutablePtr exe = load(*p, /*reload=*/false);
+  Loaded loaded = load(*p, /*reload=*/false);
   std::vector<pjrt::ExecutablePtr> unloaded;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mutex_);
   auto [it, fresh] = entries_.emplace(std::string_view(p->key_), p);
-  if (fresh) install(*p, std::move(exe), unloaded);  // else another thread compiled it too: use theirs
+  if (fresh) install(*p, std::move(loaded), unloaded);  // else another thread compiled it too: use theirs
   return it->second;
 }
 
@@ -157,33 +187,39 @@ pjrt::ExecutablePtr CompileCache::executable(Program& p) {
       return p.exe_;
     }
   }
-  pjrt::ExecutablePtr exe = load(p, /*reload=*/true);
-  std::vector<pjrt::ExecutablePtr> unloaded;
+  Loaded loaded = load(p, /*reload=*/true);
+  std::vector<pjrt::ExecutablePtr> unloaded;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mutex_);
-  return install(p, std::move(exe), unloaded);
+  return install(p, std::move(loaded), unloaded);
 }
 
-pjrt::ExecutablePtr CompileCache::install(Program& p, pjrt::ExecutablePtr exe,
-                                          std::vector<pjrt::ExecutablePtr>& unloaded) {
+pjrt::ExecutablePtr CompileCache::install(Program& p, Loaded loaded, std::vector<pjrt::ExecutablePtr>& unloaded) {
   if (p.exe_) {  // another thread reloaded it meanwhile
     lru_.splice(lru_.begin(), lru_, p.lru_);
     return p.exe_;
   }
   // The list owns the program: one a plan holds stays unloadable after clear().
-  p.exe_ = std::move(exe);
+  p.exe_ = std::move(loaded.exe);
+  p.maps_ = loaded.maps;
+  loaded_maps_ += p.maps_;
   lru_.push_front(p.shared_from_this());
   p.lru_ = lru_.begin();
-  while (lru_.size() > static_cast<size_t>(max_loaded_)) {
+  auto over = [&] {
+    return lru_.size() > static_cast<size_t>(limits_.programs) || loaded_maps_ > limits_.maps;
+  };
+  while (lru_.size() > 1 && over()) {  // the newest stays, whatever its size
     Program& old = *lru_.back();
     unloaded.push_back(std::move(old.exe_));
+    loaded_maps_ -= old.maps_;
     lru_.pop_back();
     ++metrics().programs_unloaded;
   }
   return p.exe_;
 }
 
-pjrt::ExecutablePtr CompileCache::load(const Program& p, bool reload) {
+CompileCache::Loaded CompileCache::load(const Program& p, bool reload) {
   pjrt::ExecutablePtr exe;
+  int64_t maps_before = process_memory_maps();
   if (disk_) {
     auto start = std::chrono::steady_clock::now();
     if (auto bytes = disk_->load(p.key_)) {
@@ -213,7 +249,9 @@ pjrt::ExecutablePtr CompileCache::load(const Program& p, bool reload) {
     }
   }
   if (reload) ++metrics().programs_reloaded;
-  return exe;
+  // Other threads loading or unloading meanwhile blur the count; the bound stays approximate, never unbounded.
+  int64_t maps_after = process_memory_maps();
+  return {std::move(exe), maps_before < 0 ? 0 : std::max<int64_t>(0, maps_after - maps_before)};
 }
 
 void CompileCache::clear() {

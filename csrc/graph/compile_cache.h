@@ -2,10 +2,12 @@
 // text (and device), first in memory, then on disk when a directory is set
 // (TORCH_PJRT_CACHE_DIR), else compiled and written to both.
 //
-// Loaded executables are bounded: XLA:CPU maps about 3-4 memory regions per
-// loaded executable and a process may hold vm.max_map_count (65530), so past
-// `max_loaded` programs the least recently used one is unloaded. Its Program
-// keeps the text, and executable() loads it again (disk tier, else compile).
+// Loaded executables are bounded: XLA:CPU maps memory regions for each loaded
+// executable (3 per JIT object: a single op 3, a fused graph 3 per kernel or
+// two, hundreds for a large graph) and a process may hold vm.max_map_count
+// (65530). Past either limit (programs, or the maps they added when loaded)
+// the least recently used program is unloaded; its Program keeps the text,
+// and executable() loads it again (disk tier, else compile).
 #pragma once
 #include <cstdint>
 #include <list>
@@ -52,19 +54,27 @@ class Program : public std::enable_shared_from_this<Program> {
   const std::vector<size_t> replicas_;  // empty: one device; else one replica on each (collectives)
   // Guarded by the cache's mutex. Loaded: exe_ is set and lru_ is its place in the cache's list.
   pjrt::ExecutablePtr exe_;
+  int64_t maps_ = 0;  // memory maps loading it added (measured: XLA decides how many JIT objects it has)
   std::list<std::shared_ptr<Program>>::iterator lru_;
 };
 using ProgramPtr = std::shared_ptr<Program>;
 
+// When the cache unloads programs (least recently used first).
+struct LoadLimits {
+  // TORCH_PJRT_MAX_LOADED_PROGRAMS: loaded programs at most.
+  int64_t programs = 4096;
+  // TORCH_PJRT_MAX_LOADED_MAPS: memory maps the loaded programs added, at
+  // most. Default: half of vm.max_map_count, the other half for the process.
+  int64_t maps = 32765;
+};
+
 class CompileCache {
  public:
-  // TORCH_PJRT_MAX_LOADED_PROGRAMS, else this: ~3.75 maps each keeps ~15K of
-  // the 65530 maps for programs, the rest for the process.
-  static constexpr int64_t kDefaultMaxLoaded = 4096;
-  static int64_t max_loaded_from_env();
+  using Limits = LoadLimits;
+  static Limits limits_from_env();
 
   explicit CompileCache(std::shared_ptr<pjrt::Client> client, std::unique_ptr<DiskCache> disk = nullptr,
-                        int64_t max_loaded = kDefaultMaxLoaded);
+                        Limits limits = {});
   // The program, compiled (and loaded) now if new, so compile errors raise here.
   ProgramPtr get_or_compile(const std::string& program, size_t device_index, Effort effort = Effort::Full);
   // One program run as a replica on each of `device_indices` (collectives
@@ -80,7 +90,11 @@ class CompileCache {
     std::lock_guard<std::mutex> lock(mutex_);
     return lru_.size();
   }
-  int64_t max_loaded() const { return max_loaded_; }
+  int64_t loaded_maps() const {  // memory maps the loaded programs added
+    std::lock_guard<std::mutex> lock(mutex_);
+    return loaded_maps_;
+  }
+  const Limits& limits() const { return limits_; }
   void clear();
 
  private:
@@ -88,18 +102,23 @@ class CompileCache {
   ProgramPtr find_or_add(std::string key, size_t text_offset, size_t device_index, Effort effort,
                          std::vector<size_t> replicas);
   pjrt::CompileOptions options_of(const Program& p) const;
-  pjrt::ExecutablePtr load(const Program& p, bool reload);  // disk tier, else compile; no lock held
+  struct Loaded {
+    pjrt::ExecutablePtr exe;
+    int64_t maps = 0;  // memory maps the process gained while loading it
+  };
+  Loaded load(const Program& p, bool reload);  // disk tier, else compile; no lock held
   pjrt::ExecutablePtr executable(Program& p);
-  // Makes `exe` p's executable (unless another thread loaded it first) and
-  // unloads the least recently used programs past the bound into `unloaded`.
-  pjrt::ExecutablePtr install(Program& p, pjrt::ExecutablePtr exe, std::vector<pjrt::ExecutablePtr>& unloaded);
+  // Makes `loaded` p's executable (unless another thread loaded it first) and
+  // unloads the least recently used programs past the limits into `unloaded`.
+  pjrt::ExecutablePtr install(Program& p, Loaded loaded, std::vector<pjrt::ExecutablePtr>& unloaded);
 
   std::shared_ptr<pjrt::Client> client_;
   std::unique_ptr<DiskCache> disk_;
-  const int64_t max_loaded_;
+  const Limits limits_;
   mutable std::mutex mutex_;  // guards entries_ and every Program's loaded state; compiles run outside it
   std::unordered_map<std::string_view, ProgramPtr> entries_;  // key: its Program's key_
   std::list<ProgramPtr> lru_;  // loaded programs, most recently used first
+  int64_t loaded_maps_ = 0;    // sum of their maps_
 };
 
 }  // namespace torch_pjrt::graph

@@ -74,7 +74,7 @@ TEST(ProgramCache, UnloadedProgramsGiveTheirMemoryMapsBack) {
 
 TEST(ProgramCache, LeastRecentlyUsedAreUnloadedAndReloadOnUse) {
   constexpr int64_t kBound = 5;
-  graph::CompileCache cache(client(), nullptr, kBound);
+  graph::CompileCache cache(client(), nullptr, {.programs = kBound});
   graph::reset_metrics();
   std::vector<graph::ProgramPtr> programs;
   for (int i = 0; i < 30; ++i) {
@@ -106,8 +106,23 @@ TEST(ProgramCache, LeastRecentlyUsedAreUnloadedAndReloadOnUse) {
   EXPECT_TRUE(keep->loaded());
 }
 
+// The maps budget: each program weighs the memory maps loading it added.
+TEST(ProgramCache, TheMapsBudgetBoundsWhatLoadedProgramsMap) {
+  client()->compile(add_program(1, 0.25), {});  // the plugin's one-time maps
+  constexpr int64_t kMaps = 30;
+  graph::CompileCache cache(client(), nullptr, {.programs = 1000, .maps = kMaps});
+  int64_t before = memory_maps();
+  for (int i = 0; i < 40; ++i) {
+    cache.get_or_compile(add_program(8, 0.5 + i), 0);
+    EXPECT_LE(cache.loaded_maps(), kMaps);
+  }
+  EXPECT_GE(cache.loaded(), 3u);  // ~3 maps each on XLA:CPU
+  EXPECT_LT(cache.loaded(), 40u);
+  EXPECT_LE(memory_maps() - before, kMaps + 10);
+}
+
 TEST(ProgramCache, AHeldExecutableOutlivesItsUnloading) {
-  graph::CompileCache cache(client(), nullptr, 1);
+  graph::CompileCache cache(client(), nullptr, {.programs = 1});
   auto program = cache.get_or_compile(add_program(16, 3), 0);
   pjrt::ExecutablePtr exe = program->executable();  // what an in-flight execution holds
   cache.get_or_compile(add_program(16, 4), 0);
@@ -120,7 +135,8 @@ TEST(ProgramCache, ReloadsFromTheDiskTierWithoutCompiling) {
   namespace fs = std::filesystem;
   fs::path dir = fs::temp_directory_path() / ("torch_pjrt_program_cache_test_" + std::to_string(getpid()));
   fs::remove_all(dir);
-  graph::CompileCache cache(client(), std::make_unique<graph::DiskCache>(dir.string(), "id", 1 << 30), 2);
+  graph::CompileCache cache(client(), std::make_unique<graph::DiskCache>(dir.string(), "id", 1 << 30),
+                           {.programs = 2});
   graph::reset_metrics();
   std::vector<graph::ProgramPtr> programs;
   for (int i = 0; i < 6; ++i) programs.push_back(cache.get_or_compile(add_program(4, i), 0));
@@ -136,7 +152,7 @@ TEST(ProgramCache, ReloadsFromTheDiskTierWithoutCompiling) {
 // Threads running, reloading and unloading programs at once (bound far below
 // the working set) all get their own program's results.
 TEST(ProgramCache, ThreadsShareTheBoundSafely) {
-  graph::CompileCache cache(client(), nullptr, 3);
+  graph::CompileCache cache(client(), nullptr, {.programs = 3});
   std::vector<graph::ProgramPtr> programs;
   for (int i = 0; i < 8; ++i) programs.push_back(cache.get_or_compile(add_program(32, i), 0));
   std::atomic<int> wrong{0};

@@ -22,9 +22,9 @@ BOUND = 20
 SCRIPT = r"""
 import json, os, sys, torch, torch_pjrt
 
-BOUND = int(os.environ["TORCH_PJRT_MAX_LOADED_PROGRAMS"])
 SHAPES = int(sys.argv[1])
-peak = 0
+FLOOD = int(sys.argv[2])  # new shapes enough to unload everything loaded before them
+peak = peak_maps = 0
 
 
 def maps():
@@ -33,9 +33,10 @@ def maps():
 
 
 def note():
-    global peak
+    global peak, peak_maps
     m = torch_pjrt.metrics()
     peak = max(peak, m["programs_loaded"])
+    peak_maps = max(peak_maps, m["program_maps"])
     return m
 
 
@@ -70,7 +71,7 @@ fc = torch.compile(f, backend="tpu", dynamic=False)
 a, b = torch.randn(5, 7), torch.randn(7, 3)
 for _ in range(3):
     torch.testing.assert_close(fc(a.to("tpu"), b.to("tpu")).cpu(), f(a, b))
-for n in range(SHAPES + 1, SHAPES + 2 * BOUND):
+for n in range(SHAPES + 1, SHAPES + 1 + FLOOD):
     step(n)
 replays = torch_pjrt.metrics()["compiled_replays"]
 reloaded = torch_pjrt.metrics()["programs_reloaded"]
@@ -91,7 +92,7 @@ else:
     for n in (3, 4):
         x = torch.randn(n)
         torch.testing.assert_close(cube(x.to("tpu")).cpu(), x * x * x)
-    for n in range(SHAPES + 2 * BOUND, SHAPES + 3 * BOUND):
+    for n in range(SHAPES + 1 + FLOOD, SHAPES + 1 + 2 * FLOOD):
         step(n)
     x = torch.randn(3)
     torch.testing.assert_close(cube(x.to("tpu")).cpu(), x * x * x)
@@ -101,7 +102,7 @@ torch.tpu.synchronize()
 m = note()
 print(json.dumps({
     "peak": peak, "loaded": m["programs_loaded"], "alive_after_sync": alive_after_sync,
-    "max_loaded": m["max_loaded_programs"], "compiles": m["compiles"] - first,
+    "max_loaded": m["max_loaded_programs"], "peak_maps": peak_maps, "max_maps": m["max_loaded_maps"], "compiles": m["compiles"] - first,
     "unloaded": m["programs_unloaded"], "reloaded_revisit": m["programs_reloaded"] - reloaded_before,
     "maps_grown": grown, "compiled_meanwhile": compiled_meanwhile,
     "compiled_reloaded": compiled_reloaded, "compiled_replayed": compiled_replayed, "jax": jax_ok,
@@ -109,11 +110,13 @@ print(json.dumps({
 """
 
 
-def run(mode, shapes, bound=BOUND):
+def run(mode, shapes, bound=BOUND, maps=None, flood=2 * BOUND):
     env = dict(os.environ, TORCH_PJRT_MODE=mode, TORCH_PJRT_MAX_LOADED_PROGRAMS=str(bound),
                PYTHONPATH=os.pathsep.join(sys.path))
+    if maps:
+        env["TORCH_PJRT_MAX_LOADED_MAPS"] = str(maps)
     env.pop("TORCH_PJRT_CACHE_DIR", None)  # reloads compile: the memory tier alone is under test
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(shapes)], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(shapes), str(flood)], env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -143,3 +146,16 @@ def test_bad_bound_is_refused():
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "TORCH_PJRT_MAX_LOADED_PROGRAMS must be a positive integer" in out.stderr
+
+
+def test_maps_budget_bounds_fused_graphs():
+    # A fused graph maps 3 regions per JIT object (several per graph): the
+    # budget on maps binds before the (here unreachable) program count.
+    maps = 150
+    r = run("fused", 120, bound=100000, maps=maps, flood=60)
+    assert r["max_maps"] == maps and r["max_loaded"] == 100000
+    assert r["peak_maps"] <= maps, r
+    assert 3 <= r["peak"] < r["compiles"] // 2, r  # far fewer programs loaded than compiled
+    assert r["reloaded_revisit"] >= 10, r
+    assert r["compiled_meanwhile"] >= 50 and r["maps_grown"] < 60, r
+    assert r["compiled_replayed"] == 1 and r["compiled_reloaded"] >= 1, r
