@@ -169,7 +169,8 @@ class DeviceLoader:
     DataLoader(pin_memory=True) walks them), are moved to `device`; other values pass
     through. A background thread pins each host tensor (unless it is pinned already)
     and uploads it with a non_blocking copy, so the next batches' copies overlap with
-    the step the caller runs. At most `prefetch` uploaded batches wait in a queue.
+    the step the caller runs. At most `prefetch` uploaded batches wait in a queue (and
+    one more may be uploaded, waiting for room).
 
     - An exception from the loader (or an upload) is raised by the iteration at the batch
       where it happened; the iteration then ends.
@@ -203,8 +204,11 @@ class DeviceLoader:
         # Start the runtime before the loader forks its workers: a worker forked after
         # it is a "bad fork" that cannot touch the device (torch.manual_seed skips it
         # there), instead of starting a PJRT client of its own.
+        count = torch.tpu.device_count()
         device = self._target_device()
-        torch.tpu.device_count()
+        if device.index >= count:
+            raise ValueError(f"DeviceLoader: {device} does not exist: there {'is' if count == 1 else 'are'} "
+                             f"{count} tpu device{'' if count == 1 else 's'}")
         return _DeviceLoaderIterator(self.loader, device, self.prefetch)
 
     def __len__(self) -> int:

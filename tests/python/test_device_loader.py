@@ -341,6 +341,8 @@ def test_bad_arguments_and_len_without_one():
         DeviceLoader([], prefetch=True)
     with pytest.raises(ValueError, match="tpu device"):
         DeviceLoader([], device="cpu")
+    with pytest.raises(ValueError, match="does not exist"):
+        iter(DeviceLoader([], device=torch.device("tpu", torch.tpu.device_count())))
     with pytest.raises(TypeError, match="iterable"):
         DeviceLoader(42)
     with pytest.raises(TypeError, match="no len"):
