@@ -32,8 +32,9 @@ from . import device_module
 from . import _decompositions
 from . import _data_dependent
 from . import _compile
+from .device_loader import DeviceLoader
 
-__all__ = ["jax_op", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+__all__ = ["DeviceLoader", "jax_op", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops", "explain"]
 
 MODES = ("debug", "strict", "fused", "lazy")
