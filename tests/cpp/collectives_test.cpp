@@ -10,6 +10,7 @@
 #include "graph/compile_cache.h"
 #include "graph/metrics.h"
 #include "pjrt/client.h"
+#include "cpu_client.h"
 #include "pjrt/error.h"
 
 using namespace torch_pjrt;
@@ -21,14 +22,7 @@ namespace {
 
 constexpr int kDevices = 4;
 
-std::shared_ptr<pjrt::Client> client() {
-  static std::shared_ptr<pjrt::Client> c = [] {
-    const char* path = std::getenv("PJRT_CPU_PLUGIN");
-    if (!path) throw std::runtime_error("set PJRT_CPU_PLUGIN to the CPU plugin .so");
-    return pjrt::Client::create(pjrt::Plugin::load(path), kDevices);
-  }();
-  return c;
-}
+std::shared_ptr<pjrt::Client> client() { return test_support::cpu_client(kDevices); }
 
 // Replica r's input: r * 100 + i for i in [0, count).
 std::vector<std::vector<float>> run(const CollectiveSpec& spec, const std::vector<size_t>& devices,

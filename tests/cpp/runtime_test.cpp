@@ -14,20 +14,14 @@
 #include "graph/metrics.h"
 #include "hlo/builder.h"
 #include "pjrt/client.h"
+#include "cpu_client.h"
 #include "pjrt/error.h"
 
 using namespace torch_pjrt;
 
 namespace {
 
-std::shared_ptr<pjrt::Client> client() {
-  static std::shared_ptr<pjrt::Client> c = [] {
-    const char* path = std::getenv("PJRT_CPU_PLUGIN");
-    if (!path) throw std::runtime_error("set PJRT_CPU_PLUGIN to the CPU plugin .so");
-    return pjrt::Client::create(pjrt::Plugin::load(path), 2);
-  }();
-  return c;
-}
+std::shared_ptr<pjrt::Client> client() { return test_support::cpu_client(2); }
 
 template <typename T>
 std::vector<T> read(const pjrt::Buffer& b) {
