@@ -213,28 +213,45 @@ int64_t now_ns() {
 }
 
 // A torch Event: the programs in flight on its device when it was recorded
-// (the pending fused graph runs first, so recorded ops count). It is done when
-// they are; its time is when the last of them finished (the plugin's
-// completion callback stamps each), or the record time if none was running.
+// and, if ops were pending, the run of the pending fused graph that covers
+// them. Recording does not cut the graph (FSDP2 records an event per stream
+// sync); query, synchronize, block and elapsed_time run the graph first if the
+// event's point is still in it. It is done when all that work is; its time is
+// when the last of it finished (the plugin's completion callback stamps each),
+// or the record time if none was running. A timing event runs the pending
+// graph at record (the old behaviour): two timing events inside one graph
+// would otherwise share one completion stamp and time nothing.
 struct TpuEvent {
   int device = -1;
   bool timing = false;
   int64_t recorded_ns = 0;
   std::vector<std::shared_ptr<Work>> work;
+  std::shared_ptr<GraphRun> graph_run;  // the pending graph's run, until resolved
 
   void record(int index, bool with_timing) {
-    flush_pending(index);
+    if (with_timing) flush_pending(index);
     device = index;
     timing = with_timing;
-    work = in_flight_work(index);
+    graph_run = pending_graph_run(index, work);
     recorded_ns = now_ns();
   }
-  bool query() const {
+  // Runs the graph the event was recorded in (if it has not run) and adds its program to `work`.
+  void resolve() {
+    if (!graph_run) return;
+    flush_through(device, *graph_run);
+    // Raises at every use, as waiting on a failed program does.
+    TORCH_CHECK(graph_run->failure.empty(), "a tpu program before this event failed: ", graph_run->failure);
+    if (graph_run->work) work.push_back(graph_run->work);
+    graph_run.reset();
+  }
+  bool query() {
+    resolve();
     for (const auto& w : work)
       if (!w->done->is_ready()) return false;
     return true;
   }
-  void synchronize() const {
+  void synchronize() {
+    resolve();
     for (const auto& w : work) {
       try {
         w->done->wait();
@@ -245,7 +262,7 @@ struct TpuEvent {
   }
   // When the event completed; waits for it (and for the completion callbacks,
   // which the plugin may run just after waking waiters).
-  int64_t completed_ns() const {
+  int64_t completed_ns() {
     synchronize();
     int64_t t = recorded_ns;
     for (const auto& w : work) {
@@ -254,7 +271,7 @@ struct TpuEvent {
     }
     return t;
   }
-  static double elapsed_ms(const TpuEvent& start, const TpuEvent& end) {
+  static double elapsed_ms(TpuEvent& start, TpuEvent& end) {
     TORCH_CHECK(start.device >= 0 && end.device >= 0, "elapsed_time: both events must be recorded first");
     TORCH_CHECK(start.timing && end.timing, "elapsed_time: both events must be created with enable_timing=True");
     return static_cast<double>(end.completed_ns() - start.completed_ns()) / 1e6;
@@ -285,7 +302,7 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   }
   // Events and streams: one stream per device (PJRT orders work by its data
   // dependencies). An event is the device's in-flight programs when it was
-  // recorded, after running the pending fused graph (see TpuEvent).
+  // recorded plus the pending fused graph's run, which it does not cut (see TpuEvent).
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device,
               const c10::EventFlag flag) const override {
     int index = device < 0 ? (stream.device_index() < 0 ? current_device() : stream.device_index()) : device;
@@ -627,10 +644,14 @@ std::vector<DeviceContext*> started_device_contexts() {
 }
 
 void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
-  if (!done) return;
+  track_work(device, std::move(done), std::move(program));
+}
+
+std::shared_ptr<Work> track_work(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
+  if (!done) return nullptr;
   if (mode() == Mode::Debug) {
     done->wait();
-    return;
+    return nullptr;
   }
   auto work = std::make_shared<Work>();
   work->done = std::move(done);
@@ -644,7 +665,8 @@ void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr pr
     ctx.in_flight.pop_front();
     ready->done->wait();  // surfaces a failure of an earlier async program
   }
-  ctx.in_flight.push_back(std::move(work));
+  ctx.in_flight.push_back(work);
+  return work;
 }
 
 std::vector<std::shared_ptr<Work>> in_flight_work(int device) {

@@ -33,6 +33,15 @@ struct Work {
   std::shared_ptr<std::atomic<int64_t>> finished_ns = std::make_shared<std::atomic<int64_t>>(0);
 };
 
+// The run of a pending fused graph that an Event was recorded inside of
+// (Event.record does not cut the graph). Filled under the graph's lock when
+// the graph runs or fails; read after the event runs it (flush_through).
+struct GraphRun {
+  bool ran = false;
+  std::shared_ptr<Work> work;  // its program; null if it completed synchronously
+  std::string failure;         // why it failed ("" if it did not)
+};
+
 struct DeviceContext {
   explicit DeviceContext(int index);
   const int index;
@@ -66,6 +75,8 @@ std::shared_ptr<PendingGraph> make_pending_graph();
 
 // Keeps a program's completion event (and its executable) in its device's in-flight list.
 void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
+// track() that returns the work (null in debug mode or without an event: it is done).
+std::shared_ptr<Work> track_work(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
 // The device's in-flight work now (an Event's snapshot).
 std::vector<std::shared_ptr<Work>> in_flight_work(int device);
 // Empties the device's in-flight list and returns it (synchronize waits on it).

@@ -9,6 +9,9 @@
 
 namespace torch_pjrt {
 
+struct GraphRun;  // device_context.h
+struct Work;      // device_context.h
+
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
 // The op's name without namespace, overload or in-place underscore ("add").
@@ -28,6 +31,13 @@ at::Tensor to_host(const at::Tensor& tensor);
 // `device`) now (asynchronously).
 void flush_pending();
 void flush_pending(int device);
+// Event.record without cutting the graph: takes the device's in-flight work
+// and, if ops are pending, the run of its pending graph that will cover them
+// (null if none), both under the graph's lock.
+std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight);
+// Runs the device's pending graph if `run` is still its pending run; after it,
+// run.ran is true.
+void flush_through(int device, const GraphRun& run);
 // The storage's buffer for a reader, after the recorded graph if it writes
 // the storage. Taken under the graph's lock, so no graph donates it between
 // the flush and the reference (a referenced buffer is never donated).

@@ -65,6 +65,7 @@ struct PendingGraph {
   std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
   GraphValues inputs;              // record-time types of storages read before written
   std::string key;
+  std::shared_ptr<GraphRun> run;   // events recorded inside this graph (null: none)
 };
 
 std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
@@ -122,6 +123,15 @@ void mark_written(PendingGraph& g, const at::Tensor& t) {
 }
 
 void run_graph(PendingGraph& g);
+
+// Tells the events recorded inside the graph that it ran (or failed).
+void finish_run(PendingGraph& g, std::shared_ptr<Work> work, std::string failure) {
+  if (!g.run) return;
+  g.run->ran = true;
+  g.run->work = std::move(work);
+  g.run->failure = std::move(failure);
+  g.run.reset();
+}
 
 size_t graph_op_limit() {
   static size_t limit = [] {
@@ -447,6 +457,7 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
     }
   }
   clear_graph(g);
+  finish_run(g, nullptr, message);
   TORCH_CHECK(false, message);
 }
 
@@ -509,7 +520,7 @@ void run_graph(PendingGraph& g) {
     ++metrics().graphs;
     int device = g.device;
     clear_graph(g);
-    track(device, std::move(result.done), std::move(exe));
+    finish_run(g, track_work(device, std::move(result.done), std::move(exe)), "");
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
@@ -529,6 +540,23 @@ void flush_pending(int device) {
   PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);
+}
+
+std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  in_flight = in_flight_work(device);
+  if (g.ops.empty()) return nullptr;
+  if (!g.run) g.run = std::make_shared<GraphRun>();
+  return g.run;
+}
+
+void flush_through(int device, const GraphRun& run) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.run.get() == &run) run_graph(g);
 }
 
 void flush_pending() {

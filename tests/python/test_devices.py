@@ -154,9 +154,10 @@ def test_synchronize_runs_the_pending_graph(sync):
         assert torch_pjrt.metrics()["graphs"] == before + 1
         z = y - 1
         e = torch.tpu.Event()
-        e.record()  # an event covers the recorded ops: it runs them
+        e.record()  # an event covers the recorded ops without cutting the graph
+        assert torch_pjrt.metrics()["graphs"] == before + 1
+        e.synchronize()  # runs them
         assert torch_pjrt.metrics()["graphs"] == before + 2
-        e.synchronize()
     assert torch.equal(z.cpu(), torch.full((8,), 3.0))
 
 
