@@ -477,6 +477,10 @@ void run_graph(PendingGraph& g) {
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
   size_t op_count = g.ops.size();
   DeviceContext& ctx = device_context(g.device);
+  // Set by a successful run; tracked after the try: tracking may raise an
+  // earlier program's failure, which must not be taken for this graph's.
+  std::unique_ptr<pjrt::Event> done;
+  pjrt::ExecutablePtr exe;
   try {
     std::shared_ptr<CompiledGraph> compiled;
     {
@@ -500,7 +504,7 @@ void run_graph(PendingGraph& g) {
     // a failure the plugin reports asynchronously is still undone here.
     bool first_run = !compiled->ran_once.load();
     ProfileScope profile([&] { return graph_profile(g, "execute"); });
-    pjrt::ExecutablePtr exe = compiled->program->executable();
+    exe = compiled->program->executable();
     auto result = exe->execute(buffers);
     if ((first_run || profile.active()) && result.done) {
       result.done->wait();
@@ -518,9 +522,8 @@ void run_graph(PendingGraph& g) {
     }
     ++metrics().executions;
     ++metrics().graphs;
-    int device = g.device;
+    done = std::move(result.done);
     clear_graph(g);
-    finish_run(g, track_work(device, std::move(result.done), std::move(exe)), "");
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
@@ -531,6 +534,14 @@ void run_graph(PendingGraph& g) {
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
                            e.what()), donated);
   }
+  std::shared_ptr<Work> work;
+  try {
+    work = track_work(g.device, std::move(done), std::move(exe));
+  } catch (...) {
+    finish_run(g, nullptr, "");  // this graph ran; the error is an earlier program's
+    throw;
+  }
+  finish_run(g, std::move(work), "");
 }
 
 }  // namespace
