@@ -481,6 +481,7 @@ void run_graph(PendingGraph& g) {
   // earlier program's failure, which must not be taken for this graph's.
   std::unique_ptr<pjrt::Event> done;
   pjrt::ExecutablePtr exe;
+  const int device = g.device;  // clear_graph resets it
   try {
     std::shared_ptr<CompiledGraph> compiled;
     {
@@ -536,7 +537,7 @@ void run_graph(PendingGraph& g) {
   }
   std::shared_ptr<Work> work;
   try {
-    work = track_work(g.device, std::move(done), std::move(exe));
+    work = track_work(device, std::move(done), std::move(exe));
   } catch (...) {
     finish_run(g, nullptr, "");  // this graph ran; the error is an earlier program's
     throw;
