@@ -309,7 +309,7 @@ def test_workers_fork_after_the_runtime_started_in_a_fresh_process():
     """Workers forked before the runtime started would each start a PJRT client (torch.manual_seed seeds
     every device): DeviceLoader starts the runtime first, so workers cannot touch the device."""
     result = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ))
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FLAGS [True, True, True]" in result.stdout, result.stdout + result.stderr[-3000:]
 
