@@ -142,9 +142,6 @@ std::optional<lowering::TensorType> storage_type(const StorageState& st);
 std::optional<lowering::TensorType> storage_type_locked(const StorageState& st);  // caller holds storage_mutex()
 bool storages_as_keyed(const Call& call);                                          // caller holds storage_mutex()
 
-// Keeps an execution's completion event and executable in its device's
-// context (device_context.h); debug mode waits for it at once.
-void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
 
 // Lowers one op into `b`; in a fused graph, `graph` threads storage values
 // from op to op. Returns one flat value per present output; the op's runtime
