@@ -109,15 +109,7 @@ class _CompiledGraph:
     @staticmethod
     def _split(args):
         """(the tensor arguments, the int arguments) if every argument is a tpu tensor or an int, else None."""
-        tensors, ints = [], []
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.device.type == "tpu":
-                tensors.append(a)
-            elif type(a) is int:
-                ints.append(a)
-            else:
-                return None
-        return tensors, tuple(ints)
+        return _C._split_replay_args(args)
 
     def __call__(self, args):
         args = list(args)

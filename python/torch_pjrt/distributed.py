@@ -22,6 +22,7 @@ LOCAL_RANK % N becomes the current device at import (torch.tpu.current_device())
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import threading
@@ -36,6 +37,16 @@ from . import _C
 BACKEND_NAME = "tpu_dist"
 GLOO_STORE_PREFIX = "tpu_dist_gloo/"
 PROGRESS_STORE_PREFIX = "tpu_dist_progress/"
+
+# Gloo groups whose collective failed. Never destroyed: ProcessGroupGloo's destructor joins its worker
+# threads, and after a timeout their peer may never answer, so tearing one down at exit could hang the
+# process that has just reported the failure. They end with the process.
+_FAILED_GLOO_GROUPS: list = []
+
+
+def _keep_until_exit(group) -> None:
+    _FAILED_GLOO_GROUPS.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # survives the module's teardown at exit too
 
 # Python-side counters, merged into torch_pjrt.metrics().
 _counters = {
@@ -143,6 +154,7 @@ class _TpuDistBackend:
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_STORE_PREFIX, store), rank, size, timeout)
         self._seq = 0
         self._splits = 0
+        self._failure = None  # the first failed collective's message: the group is unusable after it
 
     # -- paths -------------------------------------------------------------------------------------
     def _path(self, name: str, tensors) -> str:
@@ -171,6 +183,12 @@ class _TpuDistBackend:
     # -- failures ----------------------------------------------------------------------------------
     def _enter(self, name: str) -> None:
         """Records how far this rank got, so a failure can say which ranks never arrived."""
+        if self._failure is not None:
+            # Gloo's pairs may hold half a message from the failed collective: like NCCL after an abort,
+            # the group refuses further work instead of mismatching data or waiting out another timeout.
+            raise RuntimeError(f"tpu_dist: {name} on process group '{self.group_name}' refused: an earlier "
+                               f"collective of this group failed ({self._failure}). Create a new group or "
+                               "restart the ranks.")
         self._seq += 1
         try:
             self._store.set(f"{PROGRESS_STORE_PREFIX}{self.rank}", f"{self._seq} {name}")
@@ -181,7 +199,11 @@ class _TpuDistBackend:
         try:
             work.wait()
         except Exception as e:
-            raise RuntimeError(self._failure_message(name, e)) from e
+            message = self._failure_message(name, e)
+            if self._failure is None:
+                self._failure = message.split(". Gloo said")[0]
+                _keep_until_exit(self._gloo)
+            raise RuntimeError(message) from e
 
     def _failure_message(self, name: str, error: Exception) -> str:
         me = self.global_ranks[self.rank]

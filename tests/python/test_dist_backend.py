@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import signal
 import time
 
 import pytest
@@ -90,14 +91,22 @@ def test_device_mesh_2d_splits_groups_and_dtensor_4_processes():
 
 
 def _launch_failing_ranks(tmp_path, mode, timeout_s):
+    """Rank 0's exit status and output. A rank 0 that printed its error but does not exit within EXIT_AFTER_ERROR_S
+    is asked for its threads' stacks (faulthandler, SIGUSR1) before it is killed, so a hang at exit names its place."""
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "failing_rank.py"), str(r), "2", str(store),
                                str(timeout_s), mode], env=_env("fused"), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
-        start = time.monotonic()
-        out0, _ = procs[0].communicate(timeout=LAUNCH_TIMEOUT_S)
-        return procs[0].returncode, out0, time.monotonic() - start
+        try:
+            out0, _ = procs[0].communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            procs[0].send_signal(signal.SIGUSR1)
+            time.sleep(5)
+            procs[0].kill()
+            out0, _ = procs[0].communicate()
+            pytest.fail(f"rank 0 did not exit within {LAUNCH_TIMEOUT_S} s; its output and stacks:\n{out0[-12000:]}")
+        return procs[0].returncode, out0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -107,17 +116,27 @@ def _launch_failing_ranks(tmp_path, mode, timeout_s):
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_rank_that_raises_stops_the_others_with_a_clear_error(tmp_path):
-    rc, out, _ = _launch_failing_ranks(tmp_path, "raise", 15)
+    rc, out = _launch_failing_ranks(tmp_path, "raise", 15)
     error = [line for line in out.splitlines() if line.startswith("ERROR")]
     assert rc == 3 and error, out[-4000:]
     assert "all_reduce" in error[0] and "rank 1" in error[0], error[0]
+    _assert_refused_after(out)
+
+
+def _assert_refused_after(out):
+    """After a failed collective the group raises at once, naming the failure, for every later collective."""
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert refused, out[-4000:]
+    assert "earlier collective" in refused[0] and "collective #2" in refused[0], refused[0]
+    assert float(refused[0].split("after ")[1].split("s:")[0]) < 5, refused[0]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_stalled_rank_times_out_with_a_clear_error(tmp_path):
-    rc, out, _ = _launch_failing_ranks(tmp_path, "stall", 6)
+    rc, out = _launch_failing_ranks(tmp_path, "stall", 6)
     error = [line for line in out.splitlines() if line.startswith("ERROR")]
     assert rc == 3 and error, out[-4000:]
     assert "all_reduce" in error[0] and "not reached by rank 1" in error[0] and "timeout 6 s" in error[0], error[0]
     waited = float(error[0].split("after ")[1].split("s:")[0])
     assert 5 <= waited < 60, error[0]
+    _assert_refused_after(out)
