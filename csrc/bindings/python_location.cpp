@@ -19,11 +19,20 @@
 namespace torch_pjrt {
 namespace {
 
+struct InstructionHash {
+  size_t operator()(const std::pair<PyCodeObject*, int>& k) const {
+    return std::hash<const void*>()(k.first) * 31 + std::hash<int>()(k.second);
+  }
+};
+
 struct LocationTable {
   std::mutex mutex;
   std::vector<std::string> library_dirs;               // frames under these are not the user's
   std::unordered_map<PyCodeObject*, bool> is_library;  // owns a reference to each code object
-  std::map<std::pair<PyCodeObject*, int>, graph::SourceLocation> ids;
+  std::map<std::pair<PyCodeObject*, int>, graph::SourceLocation> ids;  // (code, line) -> id
+  // (code, instruction offset) -> id: the per-op lookup. A frame's line number
+  // is decoded from the code's line table on every call; its offset is not.
+  std::unordered_map<std::pair<PyCodeObject*, int>, graph::SourceLocation, InstructionHash> by_instruction;
   std::vector<std::string> texts;  // id - 1 -> "file:line in function", made once per id
   // Names the user's line behind a line of FX-generated code (a compiled
   // graph's "<eval_with_key>" file): callable(file, line) -> str or None.
@@ -95,11 +104,15 @@ graph::SourceLocation capture_with_gil() {
     while (frame) {
       PyCodeObject* code = PyFrame_GetCode(frame);
       bool library = library_code(t, code);
-      if (!library) {
+      auto seen = library ? t.by_instruction.end() : t.by_instruction.find({code, PyFrame_GetLasti(frame)});
+      if (seen != t.by_instruction.end()) {
+        id = seen->second;
+      } else if (!library) {
         auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
         auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
         if (fresh) t.texts.push_back(text_of(code, key.second));
         id = it->second;
+        t.by_instruction.emplace(std::make_pair(code, PyFrame_GetLasti(frame)), id);
         if (fresh && t.generated_code_resolver && generated_code(code)) {
           generated = code;  // kept alive by is_library's reference
           generated_line = key.second;
