@@ -51,6 +51,7 @@ def _keep_until_exit(group) -> None:
 # Python-side counters, merged into torch_pjrt.metrics().
 _counters = {
     "dist_collectives_staged": 0,  # collectives run through Gloo via host memory
+    "dist_collectives_local": 0,  # collectives of a one-rank group: device copies in the pending graph
     "dist_collectives_in_xla": 0,  # collectives lowered into XLA programs (in-process path, not here yet)
     "dist_staged_bytes_to_host": 0,
     "dist_staged_bytes_to_device": 0,
@@ -76,6 +77,29 @@ def _count(key: str, n: int = 1) -> None:
 
 def _is_tpu(t: torch.Tensor) -> bool:
     return t.device.type == "tpu"
+
+
+def _copy(out: torch.Tensor, src: torch.Tensor) -> None:
+    """out = src's elements in order (a one-rank gather or scatter: the shapes may differ, the counts do not)."""
+    if out.dtype != src.dtype:
+        raise TypeError(f"tpu_dist: output dtype {out.dtype} differs from input dtype {src.dtype}")
+    if out.numel() != src.numel():
+        raise ValueError(f"tpu_dist: output has {out.numel()} elements, input {src.numel()}; a one-rank group "
+                         "needs the same count")
+    with torch.no_grad():
+        out.copy_(src.reshape(out.shape))
+
+
+def _only(tensors):
+    """The one tensor per rank of a list in a one-rank group."""
+    if len(tensors) != 1:
+        raise ValueError(f"tpu_dist: a one-rank group needs 1 tensor per list, got {len(tensors)}")
+    return tensors[0]
+
+
+def _copy_each(outs, srcs) -> None:
+    for out, src in zip(outs, srcs, strict=True):
+        _copy(out, src)
 
 
 def _done_work(result) -> dist.Work:
@@ -165,9 +189,18 @@ class _TpuDistBackend:
         `_run` instead of the staged body."""
         return "staged"
 
-    def _run(self, name: str, tensors, run, result):
+    def _run(self, name: str, tensors, run, result, local=None):
         """One collective: `run(staging)` starts Gloo's collective on host tensors and returns its work;
-        this waits, copies results back into the user's tensors and returns a finished Work."""
+        this waits, copies results back into the user's tensors and returns a finished Work.
+
+        In a one-rank group every collective is the identity or a copy: `local()` records it as device ops,
+        so it joins the pending fused graph (no host round trip, no cut), and no store key is written."""
+        if self.size == 1 and local is not None:
+            self._check_usable(name)
+            local()
+            if any(_is_tpu(t) for t in tensors):
+                _count("dist_collectives_local")
+            return _done_work(result)
         path = self._path(name, tensors)
         if path != "staged":
             raise NotImplementedError(f"tpu_dist: no {path} path for {name}")
@@ -183,17 +216,20 @@ class _TpuDistBackend:
     # -- failures ----------------------------------------------------------------------------------
     def _enter(self, name: str) -> None:
         """Records how far this rank got, so a failure can say which ranks never arrived."""
+        self._check_usable(name)
+        self._seq += 1
+        try:
+            self._store.set(f"{PROGRESS_STORE_PREFIX}{self.rank}", f"{self._seq} {name}")
+        except Exception:  # the store may be gone; the collective itself will say so
+            pass
+
+    def _check_usable(self, name: str) -> None:
         if self._failure is not None:
             # Gloo's pairs may hold half a message from the failed collective: like NCCL after an abort,
             # the group refuses further work instead of mismatching data or waiting out another timeout.
             raise RuntimeError(f"tpu_dist: {name} on process group '{self.group_name}' refused: an earlier "
                                f"collective of this group failed ({self._failure}). Create a new group or "
                                "restart the ranks.")
-        self._seq += 1
-        try:
-            self._store.set(f"{PROGRESS_STORE_PREFIX}{self.rank}", f"{self._seq} {name}")
-        except Exception:  # the store may be gone; the collective itself will say so
-            pass
 
     def _wait(self, name: str, work) -> None:
         try:
@@ -262,7 +298,7 @@ class _TpuDistBackend:
             work = self._gloo.allreduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._run("all_reduce", tensors, run, tensors)
+        return self._run("all_reduce", tensors, run, tensors, local=lambda: None)
 
     def allreduce_coalesced(self, tensors, opts):
         gloo_opts, divisor = self._reduce_op("all_reduce_coalesced", opts, tensors, dist.AllreduceCoalescedOptions)
@@ -272,7 +308,7 @@ class _TpuDistBackend:
             work = self._gloo.allreduce_coalesced(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._run("all_reduce_coalesced", tensors, run, tensors)
+        return self._run("all_reduce_coalesced", tensors, run, tensors, local=lambda: None)
 
     def reduce(self, tensors, opts):
         gloo_opts, divisor = self._reduce_op("reduce", opts, tensors, dist.ReduceOptions)
@@ -285,7 +321,7 @@ class _TpuDistBackend:
             work = self._gloo.reduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor) if is_root else None)
 
-        return self._run("reduce", tensors, run, tensors)
+        return self._run("reduce", tensors, run, tensors, local=lambda: None)
 
     def _reduce_scatter_base(self, output, input, opts):
         gloo_opts, divisor = self._reduce_op("reduce_scatter_tensor", opts, [input], dist.ReduceScatterOptions)
@@ -295,7 +331,8 @@ class _TpuDistBackend:
             work = self._gloo._reduce_scatter_base(out, s.read(input), gloo_opts)
             return _Then(work, lambda: self._divide([out], divisor))
 
-        return self._run("reduce_scatter_tensor", [output, input], run, output)
+        return self._run("reduce_scatter_tensor", [output, input], run, output,
+                         local=lambda: _copy(output, input))
 
     def reduce_scatter(self, outputs, input_lists, opts):
         flat_inputs = [t for ts in input_lists for t in ts]
@@ -306,7 +343,8 @@ class _TpuDistBackend:
             work = self._gloo.reduce_scatter(outs, [[s.read(t) for t in ts] for ts in input_lists], gloo_opts)
             return _Then(work, lambda: self._divide(outs, divisor))
 
-        return self._run("reduce_scatter", outputs + flat_inputs, run, outputs)
+        return self._run("reduce_scatter", outputs + flat_inputs, run, outputs,
+                         local=lambda: _copy_each(outputs, [_only(ts) for ts in input_lists]))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         # One Gloo reduce_scatter_tensor of one host buffer: row r holds every input's r-th chunk.
@@ -327,7 +365,8 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._run("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs)
+        return self._run("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs,
+                         local=lambda: _copy_each(outputs, inputs))
 
     # -- data movement -----------------------------------------------------------------------------
     def broadcast(self, tensors, opts):
@@ -337,7 +376,7 @@ class _TpuDistBackend:
             hosts = [s.read(t) if is_root else s.write(t) for t in tensors]
             return self._gloo.broadcast(hosts, opts)
 
-        return self._run("broadcast", tensors, run, tensors)
+        return self._run("broadcast", tensors, run, tensors, local=lambda: None)
 
     def allgather(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -346,7 +385,8 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.allgather(outs, [s.read(t) for t in inputs], opts)
 
-        return self._run("all_gather", flat + inputs, run, output_lists)
+        return self._run("all_gather", flat + inputs, run, output_lists,
+                         local=lambda: _copy_each([_only(ts) for ts in output_lists], inputs))
 
     def allgather_coalesced(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -355,13 +395,14 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.allgather_coalesced(outs, [s.read(t) for t in inputs], opts)
 
-        return self._run("all_gather_coalesced", flat + inputs, run, output_lists)
+        return self._run("all_gather_coalesced", flat + inputs, run, output_lists,
+                         local=lambda: _copy_each([_only(ts) for ts in output_lists], inputs))
 
     def _allgather_base(self, output, input, opts):
         def run(s):
             return self._gloo._allgather_base(s.write(output), s.read(input), opts)
 
-        return self._run("all_gather_into_tensor", [output, input], run, output)
+        return self._run("all_gather_into_tensor", [output, input], run, output, local=lambda: _copy(output, input))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         # One Gloo all_gather_into_tensor of the concatenated inputs; row r is rank r's inputs.
@@ -379,7 +420,8 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._run("all_gather_into_tensor_coalesced", outputs + inputs, run, outputs)
+        return self._run("all_gather_into_tensor_coalesced", outputs + inputs, run, outputs,
+                         local=lambda: _copy_each(outputs, inputs))
 
     def gather(self, output_lists, inputs, opts):
         flat = [t for ts in output_lists for t in ts]
@@ -388,7 +430,8 @@ class _TpuDistBackend:
             outs = [[s.write(t) for t in ts] for ts in output_lists]
             return self._gloo.gather(outs, [s.read(t) for t in inputs], opts)
 
-        return self._run("gather", flat + inputs, run, output_lists)
+        return self._run("gather", flat + inputs, run, output_lists,
+                         local=lambda: _copy_each([_only(ts) for ts in output_lists], inputs))
 
     def scatter(self, outputs, input_lists, opts):
         flat = [t for ts in input_lists for t in ts]
@@ -397,13 +440,14 @@ class _TpuDistBackend:
             outs = [s.write(t) for t in outputs]
             return self._gloo.scatter(outs, [[s.read(t) for t in ts] for ts in input_lists], opts)
 
-        return self._run("scatter", outputs + flat, run, outputs)
+        return self._run("scatter", outputs + flat, run, outputs,
+                         local=lambda: _copy_each(outputs, [_only(ts) for ts in input_lists]))
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts):
         def run(s):
             return self._gloo.alltoall_base(s.write(output), s.read(input), output_splits, input_splits, opts)
 
-        return self._run("all_to_all_single", [output, input], run, output)
+        return self._run("all_to_all_single", [output, input], run, output, local=lambda: _copy(output, input))
 
     def alltoall(self, outputs, inputs, opts):
         # Gloo has only the single-tensor form: one flat buffer each way, split per rank.
@@ -420,12 +464,12 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._run("all_to_all", outputs + inputs, run, outputs)
+        return self._run("all_to_all", outputs + inputs, run, outputs, local=lambda: _copy_each(outputs, inputs))
 
     def barrier(self, opts):
         gloo_opts = dist.BarrierOptions()
         gloo_opts.timeout = opts.timeout
-        return self._run("barrier", [], lambda s: self._gloo.barrier(gloo_opts), None)
+        return self._run("barrier", [], lambda s: self._gloo.barrier(gloo_opts), None, local=lambda: None)
 
     # -- point to point ----------------------------------------------------------------------------
     def send(self, tensors, dst, tag):

@@ -64,6 +64,12 @@ def test_every_collective_4_processes_fused_tpu_dist():
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_every_collective_1_process_stays_on_the_device():
+    results = torchrun("collectives.py", 1, "tpu_dist", mode="fused")
+    assert all("failures=0" in r for r in results), results
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_ddp_matches_one_process_on_the_global_batch():
     results = torchrun("ddp_train.py", 2, "--backend", "cpu:gloo,tpu:tpu_dist", mode="fused")
     assert all("failures=0" in r for r in results), results
