@@ -14,6 +14,7 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <c10/util/SmallVector.h>
 
 #include "aten/device.h"
 #include "aten/exit_gate.h"
@@ -104,7 +105,7 @@ struct KeyBuilder {
   std::string key;
   bool supported = true;
   std::string why;
-  std::unordered_map<const void*, int> storages;  // aliasing pattern
+  c10::SmallVector<const void*, 8> storages;      // aliasing pattern: storages in order of first use
   bool allow_host = false;                         // CPU tensors of any rank may come in
   // Two arguments share a storage and some offset is not in the key: whether
   // they overlap (ATen's overlap errors) must be checked on every call.
@@ -153,8 +154,10 @@ struct KeyBuilder {
       } else {
         key += 'z';
       }
-      auto [it, fresh] = storages.emplace(&st, static_cast<int>(storages.size()));
-      num(it->second);
+      auto it = std::find(storages.begin(), storages.end(), static_cast<const void*>(&st));
+      bool fresh = it == storages.end();
+      num(fresh ? static_cast<int64_t>(storages.size()) : it - storages.begin());
+      if (fresh) storages.push_back(&st);
       if (fresh) call.storage_types.emplace_back(&st, type);
       shared_storage = shared_storage || !fresh;
     } else if (t.device().is_cpu()) {
@@ -1403,9 +1406,18 @@ std::optional<lowering::TensorType> storage_type_locked(const StorageState& st) 
   if (st.buffer) return lowering::TensorType{st.buffer->element_type(), st.buffer->dims()};
   return std::nullopt;
 }
+namespace {
+// storage_type_locked(st) == type, without building a TensorType (this runs for every recorded op).
+bool has_type_locked(const StorageState& st, const std::optional<lowering::TensorType>& type) {
+  if (st.pending)
+    return type && type->element == st.pending_element && type->dims.size() == 1 && type->dims[0] == st.pending_count;
+  if (st.buffer) return type && type->element == st.buffer->element_type() && type->dims == st.buffer->dims();
+  return !type;
+}
+}  // namespace
 bool storages_as_keyed(const Call& call) {
   for (const auto& [st, type] : call.storage_types)
-    if (storage_type_locked(*st) != type) return false;
+    if (!has_type_locked(*st, type)) return false;
   return true;
 }
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k) {
@@ -1417,9 +1429,17 @@ at::Tensor item_tensor(const c10::IValue& v, int item) {
   auto opt = v.toList().get(item);
   return opt.isNone() ? at::Tensor() : opt.toTensor();
 }
-std::string op_name(const c10::FunctionSchema& s) {
-  std::string name = s.name();
-  if (!s.overload_name().empty()) name += "." + s.overload_name();
+const std::string& op_name(const c10::FunctionSchema& s) {
+  // Built once per schema and thread: every recorded op asks. The entry is checked against the
+  // schema's names, so a schema at a reused address (a torch.library op re-registered) gets its own.
+  thread_local std::unordered_map<const c10::FunctionSchema*, std::string> names;
+  const std::string& base = s.name();
+  const std::string& overload = s.overload_name();
+  std::string& name = names[&s];
+  bool same = name.size() == base.size() + (overload.empty() ? 0 : overload.size() + 1) &&
+              name.compare(0, base.size(), base) == 0 &&
+              (overload.empty() || (name[base.size()] == '.' && name.compare(base.size() + 1, overload.size(), overload) == 0));
+  if (!same) name = overload.empty() ? base : base + "." + overload;
   return name;
 }
 

@@ -15,6 +15,7 @@
 #include <c10/core/TensorImpl.h>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -106,9 +107,18 @@ at::Tensor snapshot_tensor(PendingGraph& g, const at::Tensor& t) {
   return snap;
 }
 
+// key += v, without a temporary string (keys grow by a few numbers per recorded op).
+void append_number(std::string& key, int64_t v) {
+  char digits[24];
+  key.append(digits, std::to_chars(digits, digits + sizeof digits, v).ptr);
+}
+
 c10::IValue snapshot_value(PendingGraph& g, const c10::IValue& v, std::string& key) {
   return map_tensors(v, [&](const at::Tensor& t) {
-    if (t.defined() && t.device().type() == kTpu) key += std::to_string(storage_id(g, t.storage())) + ",";
+    if (t.defined() && t.device().type() == kTpu) {
+      append_number(key, storage_id(g, t.storage()));
+      key += ',';
+    }
     return snapshot_tensor(g, t);
   });
 }
@@ -179,7 +189,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
         g.operand_rng_count.push_back(default_rng ? static_cast<int64_t>(ref.count) : -1);
       }
       operand_ids.push_back(it->second);
-      operand_key += 'p' + std::to_string(it->second) + ',';
+      operand_key += 'p';
+      append_number(operand_key, it->second);
+      operand_key += ',';
       continue;
     }
     const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
@@ -195,6 +207,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
                  std::move(operand_ids)};
+  rec.args.reserve(call.args.size());
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   rec.key += operand_key;
   g.key += rec.key;

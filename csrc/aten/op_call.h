@@ -134,7 +134,7 @@ std::optional<ElementType> element_of(at::ScalarType t);
 at::ScalarType scalar_type_of(ElementType e);
 ElementType element_or_throw(at::ScalarType t);
 
-std::string op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
+const std::string& op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 at::Tensor item_tensor(const c10::IValue& v, int item);
 // The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k);

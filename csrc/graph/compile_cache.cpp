@@ -71,13 +71,14 @@ void dump_program(const std::string& program) {
 
 }  // namespace
 
-// XLA CPU options, measured on the CPU plugin (benchmarks/bench_compile.py):
-// - the MLIR fusion emitters build an MLIR context per kernel; the older
-//   LLVM emitters compile a graph of many in-place row updates 4x faster and
-//   run as fast;
-// - optimization level 0 compiles a small program 2-3x faster but runs large
-//   elementwise kernels up to 10x slower, so only Quick programs use it.
-// Other plugins keep their defaults. TORCH_PJRT_XLA_TUNING=0 turns this off.
+// XLA CPU options, measured on the CPU plugin (benchmarks/bench_compile.py,
+// benchmarks/bench_compile_backend.py): optimization level 0 compiles a small
+// program 2-3x faster but runs large elementwise kernels up to 10x slower, so
+// only Quick programs use it. XLA's MLIR fusion emitters stay on: turning
+// them off (once 4x faster to compile for many in-place row updates, before
+// those became dynamic_update_slice) now costs 1.4x run time on a GPT step and
+// compiles slower too. Other plugins keep their defaults.
+// TORCH_PJRT_XLA_TUNING=0 turns this off.
 pjrt::CompileOptions CompileCache::options(Effort effort) const {
   pjrt::CompileOptions options;
   static const bool tuning = [] {
@@ -85,7 +86,6 @@ pjrt::CompileOptions CompileCache::options(Effort effort) const {
     return !env || std::string(env) != "0";
   }();
   if (!tuning || client_->platform_name() != "cpu") return options;
-  options.overrides.emplace_back("xla_cpu_use_fusion_emitters", false);
   if (effort == Effort::Quick) options.overrides.emplace_back("xla_backend_optimization_level", int64_t{0});
   return options;
 }

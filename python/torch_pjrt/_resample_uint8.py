@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 import torch
+from torch._prims_common import suggest_memory_format
 
 
 def _scale(in_size: int, out_size: int, align_corners: bool, scale) -> float:
@@ -140,9 +141,9 @@ def resample(x: torch.Tensor, output_size, align_corners: bool, scales_h, scales
         y = _pass(y, 3, out_w, align_corners, scales_w, cubic, antialias)
     if out_h != x.shape[2]:
         y = _pass(y, 2, out_h, align_corners, scales_h, cubic, antialias)
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return y.to(torch.uint8).contiguous(  # the CPU's layout: the input's suggested memory format
-        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    # The CPU's layout: the input's suggested memory format (ATen's rule, which reads strides: a sliced
+    # channels_last input stays channels_last, a batch of one made by unsqueeze does not).
+    return y.to(torch.uint8).contiguous(memory_format=suggest_memory_format(x))
 
 
 # op name -> (cubic, antialias)

@@ -126,3 +126,21 @@ def test_conv_batch_norm_autograd_channels_last(mode):
 
     for e, a in zip(run("cpu"), run(DEVICE)):
         assert_same(e, a)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced_channels_last", "unsqueezed_batch_of_one", "row_major"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_resample_output_follows_the_inputs_suggested_format(mode, layout, dtype):
+    # The uint8 path is our own fixed-point algorithm; its layout must follow ATen's suggest_memory_format
+    # as the float kernels' do: a sliced channels_last input stays channels_last, a batch of one made by
+    # unsqueezing a 3-d channels_last view does not (PyTorch's test_upsamplingBiMode2d_consistency).
+    x = torch.randint(0, 256, (2 if layout != "unsqueezed_batch_of_one" else 1, 3, 12, 12)).to(dtype)
+    if layout != "row_major":
+        x = x.contiguous(memory_format=CL)
+    if layout == "sliced_channels_last":
+        x = x[:, :, ::2, ::2]
+    if layout == "unsqueezed_batch_of_one":
+        x = x[0, ...][None, ...]
+    for m in ("bilinear", "bicubic"):
+        want = F.interpolate(x, size=(5, 7), mode=m, align_corners=False)
+        assert_same(want, F.interpolate(x.to(DEVICE), size=(5, 7), mode=m, align_corners=False))
