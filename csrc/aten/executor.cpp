@@ -306,6 +306,21 @@ bool has_integral_tensor(const Call& call) {
   }
   return found;
 }
+// Tensor arguments (not wrapped numbers) of more than one dtype.
+bool has_mixed_dtypes(const Call& call) {
+  std::optional<at::ScalarType> first;
+  bool mixed = false;
+  for (const auto& v : call.args) {
+    if (v.isGenerator() && !v.isNone()) return false;
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
+      if (!first) first = t.scalar_type();
+      mixed = mixed || *first != t.scalar_type();
+      return t;
+    });
+  }
+  return mixed;
+}
 void probe_on_cpu(const Call& call, bool only_dtype_errors = false);
 void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill);
 void check_on_cpu_where_meta_may_not(const Call& call) {
@@ -314,7 +329,10 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   if (may_miss && total <= (int64_t{1} << 22)) return probe_on_cpu(call);
   // Lowerings that follow CUDA for dtypes the CPU kernel lacks (histc of integers).
   static const std::set<std::string> cuda_dtypes{"histc"};
-  if (!may_miss && total <= (int64_t{1} << 20) && has_integral_tensor(call) && !cuda_dtypes.count(base_name(call.schema)))
+  // Meta kernels that promote where the CPU kernel insists on one dtype
+  // (torch.complex(float, double) raises on the CPU): mixed-dtype calls ask too.
+  if (!may_miss && total <= (int64_t{1} << 20) && (has_integral_tensor(call) || has_mixed_dtypes(call)) &&
+      !cuda_dtypes.count(base_name(call.schema)))
     probe_on_cpu(call, true);
 }
 

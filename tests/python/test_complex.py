@@ -445,3 +445,23 @@ def test_opinfo_complex64(op):
         ran += 1
     if ran == 0:
         pytest.skip("no complex64 sample runs on CPU")
+
+
+@pytest.mark.parametrize("parts", [(torch.float32, torch.float64), (torch.float64, torch.float32),
+                                   (torch.float16, torch.float32)])
+def test_complex_of_mixed_part_dtypes_raises_as_on_cpu(parts):
+    # The meta kernel promotes; the CPU kernel insists on one dtype. The device must raise, not compute.
+    real, imag = torch.ones(3, dtype=parts[0]), torch.ones(3, dtype=parts[1])
+    with pytest.raises(RuntimeError) as cpu:
+        torch.complex(real, imag)
+    with pytest.raises(RuntimeError) as dev:
+        torch.complex(real.to(DEVICE), imag.to(DEVICE))
+    assert str(cpu.value).split("\n")[0] in str(dev.value)
+
+
+def test_mixed_float_dtypes_still_promote():
+    a, b = torch.randn(4, dtype=torch.float32), torch.randn(4, dtype=torch.float64)
+    for op in (torch.add, torch.mul, torch.maximum, torch.atan2):
+        got = op(a.to(DEVICE), b.to(DEVICE))
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got.cpu(), op(a, b))
