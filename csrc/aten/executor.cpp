@@ -14,7 +14,6 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
-#include <c10/util/SmallVector.h>
 
 #include "aten/device.h"
 #include "aten/exit_gate.h"
@@ -105,7 +104,6 @@ struct KeyBuilder {
   std::string key;
   bool supported = true;
   std::string why;
-  c10::SmallVector<const void*, 8> storages;      // aliasing pattern: storages in order of first use
   bool allow_host = false;                         // CPU tensors of any rank may come in
   // Two arguments share a storage and some offset is not in the key: whether
   // they overlap (ATen's overlap errors) must be checked on every call.
@@ -154,11 +152,12 @@ struct KeyBuilder {
       } else {
         key += 'z';
       }
-      auto it = std::find(storages.begin(), storages.end(), static_cast<const void*>(&st));
-      bool fresh = it == storages.end();
-      num(fresh ? static_cast<int64_t>(storages.size()) : it - storages.begin());
-      if (fresh) storages.push_back(&st);
-      if (fresh) call.storage_types.emplace_back(&st, type);
+      // Aliasing pattern: the storage's index in order of first use (a call has few: a linear scan).
+      auto& seen = call.storage_types;
+      auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& keyed) { return keyed.first == &st; });
+      bool fresh = it == seen.end();
+      num(it - seen.begin());
+      if (fresh) seen.emplace_back(&st, type);
       shared_storage = shared_storage || !fresh;
     } else if (t.device().is_cpu()) {
       // As on CUDA: CPU tensors mix in only as 0-d values, copy sources and
@@ -291,35 +290,18 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   }
   return any_empty || (out_dtype_differs && !input_dtypes.empty());
 }
-// Meta kernels do not check the dtypes a CPU kernel is built for (softmax,
-// gelu, avg_pool2d of integers): calls with integer or bool tensors probe the
-// CPU kernel for that error only (other errors of stand-ins are no verdict).
-bool has_integral_tensor(const Call& call) {
-  bool found = false;
+// The dtypes of the call's tensors (wrapped numbers aside); none if it draws
+// from a generator (a probe would advance it).
+std::optional<std::set<at::ScalarType>> tensor_dtypes(const Call& call) {
+  std::set<at::ScalarType> dtypes;
   for (const auto& v : call.args) {
-    if (v.isGenerator() && !v.isNone()) return false;
+    if (v.isGenerator() && !v.isNone()) return std::nullopt;
     map_tensors(v, [&](const at::Tensor& t) {
-      found = found || (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number() &&
-                        at::isIntegralType(t.scalar_type(), /*includeBool=*/true));
+      if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) dtypes.insert(t.scalar_type());
       return t;
     });
   }
-  return found;
-}
-// Tensor arguments (not wrapped numbers) of more than one dtype.
-bool has_mixed_dtypes(const Call& call) {
-  std::optional<at::ScalarType> first;
-  bool mixed = false;
-  for (const auto& v : call.args) {
-    if (v.isGenerator() && !v.isNone()) return false;
-    map_tensors(v, [&](const at::Tensor& t) {
-      if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
-      if (!first) first = t.scalar_type();
-      mixed = mixed || *first != t.scalar_type();
-      return t;
-    });
-  }
-  return mixed;
+  return dtypes;
 }
 void probe_on_cpu(const Call& call, bool only_dtype_errors = false);
 void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill);
@@ -327,13 +309,19 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   int64_t total = 0;
   bool may_miss = meta_may_miss_an_error(call, &total);
   if (may_miss && total <= (int64_t{1} << 22)) return probe_on_cpu(call);
+  if (may_miss || total > (int64_t{1} << 20)) return;
+  // Meta kernels do not check the dtypes a CPU kernel is built for (softmax,
+  // gelu, avg_pool2d of integers), nor that it insists on one dtype where they
+  // promote (torch.complex(float, double)): calls with integer or bool tensors,
+  // or with tensors of several dtypes, probe the CPU kernel for that error only
+  // (other errors of stand-ins are no verdict).
+  auto dtypes = tensor_dtypes(call);
+  if (!dtypes) return;
+  bool integral = std::any_of(dtypes->begin(), dtypes->end(),
+                              [](at::ScalarType t) { return at::isIntegralType(t, /*includeBool=*/true); });
   // Lowerings that follow CUDA for dtypes the CPU kernel lacks (histc of integers).
   static const std::set<std::string> cuda_dtypes{"histc"};
-  // Meta kernels that promote where the CPU kernel insists on one dtype
-  // (torch.complex(float, double) raises on the CPU): mixed-dtype calls ask too.
-  if (!may_miss && total <= (int64_t{1} << 20) && (has_integral_tensor(call) || has_mixed_dtypes(call)) &&
-      !cuda_dtypes.count(base_name(call.schema)))
-    probe_on_cpu(call, true);
+  if ((integral || dtypes->size() > 1) && !cuda_dtypes.count(base_name(call.schema))) probe_on_cpu(call, true);
 }
 
 // The op's meta kernel raised: the CPU kernel decides (its error, or its result).

@@ -682,7 +682,6 @@ int graph_device(const std::vector<at::Tensor>& inputs) {
   return current_device();
 }
 
-// Inputs' metadata and which of them share a storage.
 // Per input, the index of the first input sharing its storage (itself if none). Hashed by
 // storage: a compiled optimizer step has hundreds of inputs, so pairwise checks cost milliseconds.
 std::vector<int> first_sharing(const std::vector<at::Tensor>& inputs) {
@@ -694,6 +693,7 @@ std::vector<int> first_sharing(const std::vector<at::Tensor>& inputs) {
   return index;
 }
 
+// Inputs' metadata and which of them share a storage.
 std::vector<TensorMeta> input_metas(const std::vector<at::Tensor>& inputs) {
   std::vector<int> sharing = first_sharing(inputs);
   std::vector<TensorMeta> metas;

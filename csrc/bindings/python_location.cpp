@@ -104,20 +104,23 @@ graph::SourceLocation capture_with_gil() {
     while (frame) {
       PyCodeObject* code = PyFrame_GetCode(frame);
       bool library = library_code(t, code);
-      auto seen = library ? t.by_instruction.end() : t.by_instruction.find({code, PyFrame_GetLasti(frame)});
-      if (seen != t.by_instruction.end()) {
-        id = seen->second;
-      } else if (!library) {
-        auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
-        auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
-        if (fresh) t.texts.push_back(text_of(code, key.second));
-        id = it->second;
-        t.by_instruction.emplace(std::make_pair(code, PyFrame_GetLasti(frame)), id);
-        if (fresh && t.generated_code_resolver && generated_code(code)) {
-          generated = code;  // kept alive by is_library's reference
-          generated_line = key.second;
-          resolver = t.generated_code_resolver;
-          Py_INCREF(resolver);
+      if (!library) {
+        auto instruction = std::make_pair(code, PyFrame_GetLasti(frame));
+        auto seen = t.by_instruction.find(instruction);
+        if (seen != t.by_instruction.end()) {
+          id = seen->second;
+        } else {
+          auto key = std::make_pair(code, PyFrame_GetLineNumber(frame));
+          auto [it, fresh] = t.ids.emplace(key, static_cast<graph::SourceLocation>(t.texts.size() + 1));
+          if (fresh) t.texts.push_back(text_of(code, key.second));
+          id = it->second;
+          t.by_instruction.emplace(instruction, id);
+          if (fresh && t.generated_code_resolver && generated_code(code)) {
+            generated = code;  // kept alive by is_library's reference
+            generated_line = key.second;
+            resolver = t.generated_code_resolver;
+            Py_INCREF(resolver);
+          }
         }
       }
       Py_DECREF(code);

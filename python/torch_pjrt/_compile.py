@@ -106,15 +106,10 @@ class _CompiledGraph:
         # capture_dynamic_output_shape_ops) would be baked into a replay: never replay those.
         self.data_dependent = _has_unbacked_symbols(gm)
 
-    @staticmethod
-    def _split(args):
-        """(the tensor arguments, the int arguments) if every argument is a tpu tensor or an int, else None."""
-        return _C._split_replay_args(args)
-
     def __call__(self, args):
         args = list(args)
         # Debug mode waits and checks at every op: no replay there.
-        split = self._split(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
+        split = _C._split_replay_args(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
         replayable = split is not None and len(self.plans) < _MAX_SIZES_REPLAYED
         if split is not None and split[1] in self.plans:
             plan, int_outputs, count = self.plans[split[1]]

@@ -38,15 +38,13 @@ BACKEND_NAME = "tpu_dist"
 GLOO_STORE_PREFIX = "tpu_dist_gloo/"
 PROGRESS_STORE_PREFIX = "tpu_dist_progress/"
 
-# Gloo groups whose collective failed. Never destroyed: ProcessGroupGloo's destructor joins its worker
-# threads, and after a timeout their peer may never answer, so tearing one down at exit could hang the
-# process that has just reported the failure. They end with the process.
-_FAILED_GLOO_GROUPS: list = []
-
 
 def _keep_until_exit(group) -> None:
-    _FAILED_GLOO_GROUPS.append(group)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # survives the module's teardown at exit too
+    """Never destroys `group` (a Gloo group whose collective failed): ProcessGroupGloo's destructor joins its
+    worker threads, and after a timeout their peer may never answer, so tearing it down at exit could hang the
+    process that has just reported the failure. A reference no one holds outlives the module's teardown."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
 
 # Python-side counters, merged into torch_pjrt.metrics().
 _counters = {
@@ -189,13 +187,13 @@ class _TpuDistBackend:
         `_run` instead of the staged body."""
         return "staged"
 
-    def _run(self, name: str, tensors, run, result, local=None):
+    def _run(self, name: str, tensors, run, result, local):
         """One collective: `run(staging)` starts Gloo's collective on host tensors and returns its work;
         this waits, copies results back into the user's tensors and returns a finished Work.
 
         In a one-rank group every collective is the identity or a copy: `local()` records it as device ops,
         so it joins the pending fused graph (no host round trip, no cut), and no store key is written."""
-        if self.size == 1 and local is not None:
+        if self.size == 1:
             self._check_usable(name)
             local()
             if any(_is_tpu(t) for t in tensors):
@@ -235,17 +233,17 @@ class _TpuDistBackend:
         try:
             work.wait()
         except Exception as e:
-            message = self._failure_message(name, e)
+            failure = self._failure_summary(name)
             if self._failure is None:
-                self._failure = message.split(". Gloo said")[0]
+                self._failure = failure
                 _keep_until_exit(self._gloo)
-            raise RuntimeError(message) from e
+            raise RuntimeError(f"{failure}. Gloo said: {e}") from e
 
-    def _failure_message(self, name: str, error: Exception) -> str:
+    def _failure_summary(self, name: str) -> str:
         me = self.global_ranks[self.rank]
         head = (f"tpu_dist: {name} (collective #{self._seq} of process group '{self.group_name}') failed on rank "
                 f"{me} of {self.size} (timeout {self.timeout.total_seconds():g} s)")
-        return f"{head}: {self._laggards()}. Gloo said: {error}"
+        return f"{head}: {self._laggards()}"
 
     def _laggards(self) -> str:
         """Which ranks had not reached this collective, from the progress keys in the store."""

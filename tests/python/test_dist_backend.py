@@ -8,8 +8,8 @@ process, and prints RESULT lines. Every launch has a hard timeout. The scripts p
 import os
 import re
 import subprocess
-import sys
 import signal
+import sys
 import time
 
 import pytest
@@ -97,8 +97,8 @@ def test_device_mesh_2d_splits_groups_and_dtensor_4_processes():
 
 
 def _launch_failing_ranks(tmp_path, mode, timeout_s):
-    """Rank 0's exit status and output. A rank 0 that printed its error but does not exit within EXIT_AFTER_ERROR_S
-    is asked for its threads' stacks (faulthandler, SIGUSR1) before it is killed, so a hang at exit names its place."""
+    """Rank 0's exit status and output. A rank 0 that has not exited within LAUNCH_TIMEOUT_S is asked for its
+    threads' stacks (faulthandler, SIGUSR1) before it is killed, so a hang (at exit or before) names its place."""
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "failing_rank.py"), str(r), "2", str(store),
                                str(timeout_s), mode], env=_env("fused"), stdout=subprocess.PIPE,
