@@ -153,11 +153,11 @@ struct KeyBuilder {
         key += 'z';
       }
       // Aliasing pattern: the storage's index in order of first use (a call has few: a linear scan).
-      auto& seen = call.storage_types;
-      auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& keyed) { return keyed.first == &st; });
+      auto& seen = call.keyed_storages;
+      auto it = std::find_if(seen.begin(), seen.end(), [&](const KeyedStorage& keyed) { return keyed.state == &st; });
       bool fresh = it == seen.end();
       num(it - seen.begin());
-      if (fresh) seen.emplace_back(&st, type);
+      if (fresh) seen.push_back(KeyedStorage{&st, type, extent_bytes(st)});
       shared_storage = shared_storage || !fresh;
     } else if (t.device().is_cpu()) {
       // As on CUDA: CPU tensors mix in only as 0-d values, copy sources and
@@ -440,9 +440,15 @@ class CallContext final : public lowering::Context {
   // The type the op's signature saw: the plan cached under that signature
   // must not depend on what another thread installed since.
   std::optional<lowering::TensorType> keyed_type(const StorageState& st) const {
-    for (const auto& [keyed, type] : call_.storage_types)
-      if (keyed == &st) return type;
+    for (const KeyedStorage& keyed : call_.keyed_storages)
+      if (keyed.state == &st) return keyed.type;
     return storage_type(st);
+  }
+  // Its extent when keyed: a fused graph lowers a recorded op after the storage may have been freed.
+  size_t keyed_extent(const StorageState& st) const {
+    for (const KeyedStorage& keyed : call_.keyed_storages)
+      if (keyed.state == &st) return keyed.extent;
+    return extent_bytes(st);
   }
 
   // A storage offset of 0 stays static (the common case, the simplest
@@ -463,7 +469,7 @@ class CallContext final : public lowering::Context {
     return view;
   }
   int64_t storage_count(const at::Tensor& t) const {
-    return static_cast<int64_t>(extent_bytes(storage_state(t.storage())) / t.element_size());
+    return static_cast<int64_t>(keyed_extent(storage_state(t.storage())) / t.element_size());
   }
 
   int64_t flat_capacity() const override { return flat_cat_capacity(call_); }
@@ -1422,8 +1428,8 @@ bool has_type_locked(const StorageState& st, const std::optional<lowering::Tenso
 }
 }  // namespace
 bool storages_as_keyed(const Call& call) {
-  for (const auto& [st, type] : call.storage_types)
-    if (!has_type_locked(*st, type)) return false;
+  for (const KeyedStorage& keyed : call.keyed_storages)
+    if (!has_type_locked(*keyed.state, keyed.type)) return false;
   return true;
 }
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k) {

@@ -47,6 +47,7 @@ struct RecordedOp {
   std::vector<const StorageState*> new_storages;  // per new (non-written) output
   graph::SourceLocation location;                 // the user's line that recorded it
   std::vector<int> operand_ids;                   // graph operand index of each non-storage operand
+  std::vector<KeyedStorage> keyed_storages;       // its storages as recorded (lowered at these extents)
 };
 
 // One device's graph being recorded (its DeviceContext owns it).
@@ -65,6 +66,7 @@ struct PendingGraph {
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
   std::vector<char> written, has_value;
+  std::vector<size_t> extents;     // per storage: its extent when first touched (a free does not change it)
   std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
   GraphValues inputs;              // record-time types of storages read before written
   std::string key;
@@ -92,6 +94,7 @@ int storage_id(PendingGraph& g, const c10::Storage& storage) {
     g.storages.push_back(storage);
     g.written.push_back(0);
     g.has_value.push_back(0);
+    g.extents.push_back(extent_bytes(*st));
     g.snapshot_refs.push_back(0);
   }
   return it->second;
@@ -206,7 +209,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operand_rng_count.push_back(-1);
   }
   RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
-                 std::move(operand_ids)};
+                 std::move(operand_ids), std::move(call.keyed_storages)};
   rec.args.reserve(call.args.size());
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   rec.key += operand_key;
@@ -249,6 +252,7 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
   for (size_t k = 0; k < count; ++k) {
     RecordedOp& rec = g.ops[k];
     Call call{rec.op, rec.op.schema(), rec.args, rec.written, rec.returns_written, g.device};
+    call.keyed_storages = rec.keyed_storages;
     std::vector<Value> flats;
     values.operand_ids = &rec.operand_ids;
     values.next_operand = 0;
@@ -415,6 +419,7 @@ void clear_graph(PendingGraph& g) {
   g.ids.clear();
   g.written.clear();
   g.has_value.clear();
+  g.extents.clear();
   g.snapshot_refs.clear();
   g.inputs.inputs.clear();
   g.key.clear();
@@ -468,7 +473,7 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
     std::lock_guard<std::mutex> lock(storage_mutex());
     for (size_t id = 0; id < g.storages.size(); ++id) {
       StorageState& st = storage_state(g.storages[id]);
-      if (g.written[id] && (!st.buffer || consumed[id])) st.lost = lost;
+      if (g.written[id] && extent_bytes(st) > 0 && (!st.buffer || consumed[id])) st.lost = lost;
     }
   }
   clear_graph(g);
@@ -478,11 +483,13 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
 
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
-  // Outputs: written storages that something besides this graph still holds.
+  // Outputs: written storages that something besides this graph still holds
+  // and that were not freed since (see resize_storage_after_graph).
   std::vector<int> live;
   std::string key = g.key + "|live:";
   for (size_t id = 0; id < g.storages.size(); ++id) {
-    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id] &&
+        extent_bytes(storage_state(g.storages[id])) > 0) {
       live.push_back(static_cast<int>(id));
       key += std::to_string(id) + ",";
     }
@@ -612,14 +619,32 @@ void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
   install_buffer(st, std::move(buffer));
 }
 
+// FSDP2 frees each group's unsharded parameters (resize_(0)) after their
+// forward ops were recorded, and reallocates them at the same size before the
+// next all-gather writes them. Neither needs the pending graph to run: its ops
+// are lowered at their recorded extents, it holds the buffers it reads as
+// operands, and a storage freed by the time it runs is no output. Its value
+// after a reallocation is unspecified (resize_'s new bytes), here the last
+// value the graph gave it. Any other resize of a storage the graph touches
+// (growing it, a capacity storage) runs the graph first.
 void resize_storage_after_graph(const c10::Storage& storage, size_t nbytes) {
   StorageState& st = storage_state(storage);
   if (!runtime_started()) return set_storage_bytes(storage, nbytes);  // no graph can hold it yet
   PendingGraph& g = pending_graph(st.device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  if (g.ids.count(&st)) run_graph(g);
+  if (auto it = g.ids.find(&st); it != g.ids.end()) {
+    bool free = nbytes == 0 && st.capacity == 0;
+    bool reallocate = st.nbytes == 0 && st.capacity == 0 && nbytes == g.extents[it->second];
+    if (!free && !reallocate) run_graph(g);
+  }
   set_storage_bytes(storage, nbytes);
-  if (nbytes == 0) install_buffer(st, nullptr);
+  if (nbytes == 0) {
+    {
+      std::lock_guard<std::mutex> storages(storage_mutex());
+      st.pending = false;  // no value to wait for
+    }
+    install_buffer(st, nullptr);
+  }
 }
 
 }  // namespace torch_pjrt

@@ -74,6 +74,14 @@ struct CachedOp {
 };
 
 // Every argument of a call, with the schema facts the executor needs.
+// A storage as an op's signature saw it. A recorded op is lowered later, at
+// these values: its storage may have been freed (resize_(0)) by then.
+struct KeyedStorage {
+  const StorageState* state;
+  std::optional<lowering::TensorType> type;  // what it held (nothing: never written)
+  size_t extent;                             // the bytes a program sees (extent_bytes)
+};
+
 struct Call {
   const c10::OperatorHandle& op;
   const c10::FunctionSchema& schema;
@@ -83,10 +91,10 @@ struct Call {
   // it writes some arguments besides its returns (batch norm's running stats).
   bool returns_written = false;
   int device = -1;
-  // Each tpu storage of the call with the type its signature saw. Threads:
-  // running the op checks them again under storage_mutex() (storages_as_keyed)
+  // Each tpu storage of the call as its signature saw it. Threads: running
+  // the op checks the types again under storage_mutex() (storages_as_keyed)
   // and plans again if another thread gave a storage another type meanwhile.
-  std::vector<std::pair<const StorageState*, std::optional<lowering::TensorType>>> storage_types;
+  std::vector<KeyedStorage> keyed_storages;
   // Per `written` entry: the item of a written Tensor[] argument (which then
   // appears once per item in `written`), -1 for a Tensor argument.
   std::vector<int> written_items;

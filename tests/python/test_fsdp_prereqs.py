@@ -91,6 +91,41 @@ def test_resize_free_and_realloc(mode):
     on_both(fsdp_storage_cycle)
 
 
+def test_free_and_realloc_do_not_cut_the_fused_graph():
+    """FSDP2's frees and reallocations leave the pending graph alone: the whole cycle is one program."""
+    with torch_pjrt.mode("fused"):
+        torch_pjrt.sync()
+        before = torch_pjrt.metrics()["graphs"]
+        outputs = fsdp_storage_cycle(DEVICE)
+        assert torch_pjrt.metrics()["graphs"] == before  # nothing ran yet
+        expected = fsdp_storage_cycle("cpu")
+        for e, a in zip(expected, outputs):
+            torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-6)
+        assert torch_pjrt.metrics()["graphs"] == before + 1
+
+
+def test_freed_storage_is_no_graph_output():
+    with torch_pjrt.mode("fused"):
+        t = torch.arange(8.0, device=DEVICE)
+        t.mul_(2)  # written by the pending graph
+        y = t + 1
+        t.untyped_storage().resize_(0)
+        torch.testing.assert_close(y.cpu(), torch.arange(8.0) * 2 + 1)
+        assert t.untyped_storage().nbytes() == 0 and buffer_address(t) == 0
+
+
+def test_realloc_at_another_size_runs_the_graph_first(mode):
+    def cycle(device):
+        t = torch.arange(8.0).to(device)
+        y = t * 3  # recorded while t has 32 bytes
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(4 * 4)  # smaller than the graph knows it
+        small = torch.empty(0, device=device).set_(t.untyped_storage(), 0, (4,), (1,))
+        small.copy_(torch.full((4,), 5.0))
+        return [y, small * 1]
+    on_both(cycle)
+
+
 def test_resize_to_zero_frees_the_buffer(mode):
     t = torch.arange(8.0, device=DEVICE) + 1
     assert buffer_address(t) != 0
