@@ -118,18 +118,11 @@ void reset_stats(int device, Reset reset) {
     reset((*stat)[0]);
 }
 
-// Live storages, so that a storage address coming from Python can be checked.
-std::unordered_set<const StorageState*>& live_storages() {
-  static auto* live = new std::unordered_set<const StorageState*>();
-  return *live;
-}
-
 void delete_storage(void* ctx) {
   auto* state = static_cast<StorageState*>(ctx);
   {
     std::lock_guard<std::mutex> lock(memory().mutex);
     track_storage(state->device, -static_cast<int64_t>(state->nbytes), -1);
-    live_storages().erase(state);
   }
   delete state;
 }
@@ -178,7 +171,6 @@ struct TpuAllocator final : c10::DeviceAllocator {
     {
       std::lock_guard<std::mutex> lock(memory().mutex);
       track_storage(state->device, static_cast<int64_t>(nbytes), 1);
-      live_storages().insert(state);
     }
     // The data pointer is the state itself: unique per storage, never dereferenced.
     return {state, state, &delete_storage, c10::Device(kTpu, static_cast<c10::DeviceIndex>(state->device))};
@@ -535,14 +527,9 @@ void check_has_value(const StorageState& st) {
   TORCH_CHECK(!lost, "this tpu tensor has no value: ", *lost, ". Assign it again (for example with copy_) to use it.");
 }
 
-uintptr_t storage_buffer_address(uintptr_t storage_data_ptr) {
+uintptr_t storage_buffer_address(const StorageState& state) {
   check_not_forked();
-  const StorageState* state = reinterpret_cast<const StorageState*>(storage_data_ptr);
-  {
-    std::lock_guard<std::mutex> lock(memory().mutex);
-    TORCH_CHECK(live_storages().count(state), "no live tpu storage has data_ptr ", storage_data_ptr);
-  }
-  pjrt::BufferPtr buffer = buffer_of(*state);
+  pjrt::BufferPtr buffer = buffer_of(state);
   if (!buffer) return 0;
   buffer->wait_ready();
   return buffer->device_address();

@@ -58,10 +58,9 @@ StorageState& storage_state(const c10::Storage& storage);
 // The bytes a program sees for a storage: its capacity when it has one, else nbytes.
 inline size_t extent_bytes(const StorageState& st) { return std::max(st.nbytes, st.capacity); }
 
-// The plugin's address of the buffer behind a storage (0: no buffer yet),
-// given `untyped_storage().data_ptr()`. Tests use it to see buffer reuse; the
-// caller flushes pending graphs first.
-uintptr_t storage_buffer_address(uintptr_t storage_data_ptr);
+// The plugin's address of the buffer behind a storage (0: no buffer yet).
+// Tests use it to see buffer reuse; the caller flushes pending graphs first.
+uintptr_t storage_buffer_address(const StorageState& state);
 
 // Pinned host memory (`pin_memory()`): blocks from the PrivateUse1 hooks'
 // pinned allocator. A non_blocking upload from one does not wait for the

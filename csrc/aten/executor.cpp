@@ -143,9 +143,8 @@ struct KeyBuilder {
       key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
       runtime_offset = runtime_offset || t.storage_offset() != 0;
       const StorageState& st = storage_state(t.storage());
-      check_has_value(st);
+      std::optional<lowering::TensorType> type = checked_storage_type(st);
       num(static_cast<int64_t>(extent_bytes(st)));  // a capacity storage keys by its capacity
-      std::optional<lowering::TensorType> type = storage_type(st);
       if (type) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
         num(type->element_count());
@@ -1339,7 +1338,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     *why = cached->unsupported;
     return false;
   }
-  bool ran = fused ? record(call, cached, stack, nargs, kb.key) : execute(call, *cached, stack, nargs);
+  bool ran = fused ? record(call, cached, stack, nargs, std::move(kb.key)) : execute(call, *cached, stack, nargs);
   if (!ran) return run_lowered(op, stack, why);  // another thread changed a storage meanwhile: plan again
   return true;
 }
@@ -1412,6 +1411,15 @@ ElementType element_or_throw(at::ScalarType t) {
 std::optional<lowering::TensorType> storage_type(const StorageState& st) {
   std::lock_guard<std::mutex> lock(storage_mutex());
   return storage_type_locked(st);
+}
+// storage_type(st) under the lock that also sees whether st lost its value (then it raises).
+std::optional<lowering::TensorType> checked_storage_type(const StorageState& st) {
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    if (!st.lost) return storage_type_locked(st);
+  }
+  check_has_value(st);  // raises
+  return std::nullopt;
 }
 std::optional<lowering::TensorType> storage_type_locked(const StorageState& st) {
   if (st.pending) return lowering::TensorType{st.pending_element, {st.pending_count}};

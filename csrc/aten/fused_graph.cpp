@@ -159,7 +159,7 @@ size_t graph_op_limit() {
 }  // namespace
 
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
-            const std::string& op_key) {
+            std::string&& op_key) {
   // Before the graph's lock: the capture takes the GIL, and a Python thread
   // holding the GIL may be waiting for that lock.
   graph::SourceLocation location = graph::capture_source_location();
@@ -208,8 +208,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     g.operand_kind.push_back(OperandRef::Storage);
     g.operand_rng_count.push_back(-1);
   }
-  RecordedOp rec{call.op, cached, op_key + '@', {}, call.written, call.returns_written, {}, location,
+  RecordedOp rec{call.op, cached, std::move(op_key), {}, std::move(call.written), call.returns_written, {}, location,
                  std::move(operand_ids), std::move(call.keyed_storages)};
+  rec.key += '@';
   rec.args.reserve(call.args.size());
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   rec.key += operand_key;

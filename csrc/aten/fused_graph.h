@@ -13,7 +13,7 @@ namespace torch_pjrt {
 // Returns false (nothing recorded) when another thread changed an operand
 // storage's type since the signature was taken: the caller plans again.
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
-            const std::string& op_key);
+            std::string&& op_key);
 
 // torch.compile graphs (see fused_graph.cpp, "replay"). After a compiled
 // graph's ops were recorded (nothing else since the last cut): runs the graph

@@ -148,6 +148,7 @@ at::Tensor item_tensor(const c10::IValue& v, int item);
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k);
 std::optional<lowering::TensorType> storage_type(const StorageState& st);
 std::optional<lowering::TensorType> storage_type_locked(const StorageState& st);  // caller holds storage_mutex()
+std::optional<lowering::TensorType> checked_storage_type(const StorageState& st);  // raises if st lost its value
 bool storages_as_keyed(const Call& call);                                          // caller holds storage_mutex()
 
 

@@ -196,8 +196,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_install_location_hook", &install_python_location_hook);
   m.def("_set_generated_code_resolver", [](py::object resolver) { set_generated_code_resolver(resolver.ptr()); });
   m.def("_inject_compile_fault", &inject_compile_fault);
-  m.def("_storage_buffer_address", [](uintptr_t storage_data_ptr) {
+  m.def("_storage_buffer_address", [](const at::Tensor& t) {
+    TORCH_CHECK(t.device().type() == kTpu, "_storage_buffer_address needs a tpu tensor, got one on ", t.device());
     flush_pending();
-    return storage_buffer_address(storage_data_ptr);
+    return storage_buffer_address(storage_state(t.storage()));
   }, release_gil());
 }

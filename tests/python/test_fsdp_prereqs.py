@@ -44,7 +44,7 @@ def on_both(fn, *args):
 
 def buffer_address(t):
     torch_pjrt.sync()
-    return torch_pjrt._C._storage_buffer_address(t.untyped_storage().data_ptr())
+    return torch_pjrt._C._storage_buffer_address(t)
 
 
 def test_meta_init_to_empty(mode):

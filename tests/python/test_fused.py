@@ -125,7 +125,7 @@ def test_recompile_explainer_names_what_changed():
 
 def buffer_address(t):
     """The plugin's address of the buffer behind `t`'s storage (runs pending graphs)."""
-    return torch_pjrt._C._storage_buffer_address(t.untyped_storage().data_ptr())
+    return torch_pjrt._C._storage_buffer_address(t)
 
 
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
