@@ -1024,6 +1024,7 @@ void learn_operands(Call& call, CachedOp& cached) {
   emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
   if (!ctx.checks.empty()) cached.checks = check_infos_of(call, ctx.checks);
+  cached.compile_cost = b.compile_cost();
   cached.operands_known = true;
 }
 

@@ -55,6 +55,7 @@ struct PendingGraph {
   std::recursive_mutex mutex;
   int device = -1;
   std::vector<RecordedOp> ops;
+  size_t compile_cost = 0;  // the ops' lowerings' Builder::compile_cost, summed (a cut point)
   std::vector<pjrt::BufferPtr> operands;  // in the order the program's parameters appear
   std::vector<int> operand_storage;       // per operand: the storage id it is the buffer of, or -1
   std::vector<int> operand_kind;          // per operand: its OperandRef::Kind (replay needs Scalars only)
@@ -156,6 +157,14 @@ size_t graph_op_limit() {
   return limit;
 }
 
+size_t graph_cost_limit() {
+  static size_t limit = [] {
+    const char* env = std::getenv("TORCH_PJRT_FUSION_COST");
+    return env ? static_cast<size_t>(std::atoll(env)) : size_t{8192};
+  }();
+  return limit;
+}
+
 }  // namespace
 
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
@@ -223,10 +232,12 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   }
   g.key += ';';
   g.ops.push_back(std::move(rec));
+  g.compile_cost += cached->compile_cost;
   ++metrics().fused_ops;
   graph::count_lowered_op(op_name(call.schema));
   push_returns(stack, nargs, *cached, outs);
-  if (mode() == Mode::Fused && g.ops.size() >= graph_op_limit()) run_graph(g);
+  if (mode() == Mode::Fused && (g.ops.size() >= graph_op_limit() || g.compile_cost >= graph_cost_limit()))
+    run_graph(g);
   return true;
 }
 
@@ -411,6 +422,7 @@ void clear_graph(PendingGraph& g) {
       if (g.written[id]) storage_state(g.storages[id]).pending = false;
   }
   g.ops.clear();
+  g.compile_cost = 0;
   g.operands.clear();
   g.operand_storage.clear();
   g.operand_kind.clear();

@@ -60,6 +60,7 @@ struct CachedOp {
   MetaResult meta;
   const lowering::LoweringEntry* entry = nullptr;
   bool operands_known = false;
+  size_t compile_cost = 0;  // its lowering's Builder::compile_cost, known with its operands
   bool outputs_empty = false;  // every output has zero elements: nothing to run
   // A flat cat (flat_cat_capacity): its result's buffer holds this many
   // elements, and its sizes come from each call, not from the plan. 0: no.

@@ -162,6 +162,10 @@ class Builder {
   std::string finish(const std::vector<Value>& results, const std::map<int, int>& aliases = {}) const;
   const std::vector<TensorType>& parameters() const { return params_; }
 
+  // What XLA will spend compiling the instructions emitted so far, in units
+  // of one cheap instruction (fused graphs cut on it; see compile_weight).
+  size_t compile_cost() const { return compile_cost_; }
+
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
              TensorType result, const std::string& region = "");
@@ -177,6 +181,7 @@ class Builder {
   Value nan_propagating_collective(Value x, Reducer reducer, const std::function<Value(Value, Reducer)>& reduce_op);
   Value nan_propagating(const char* op, Value a, Value b);
   int next_id_ = 0;
+  size_t compile_cost_ = 0;
   std::vector<TensorType> params_;
   std::string body_;
   std::map<std::string, std::string> functions_;  // symbol -> definitions, emitted after @main

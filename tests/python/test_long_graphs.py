@@ -109,3 +109,29 @@ def test_graphs_sharing_scalars_differently_do_not_collide(mode):
             results.append(((x + a) * b).cpu())
     for (a, b), actual in zip([(2.5, 2.5), (2.5, 4.0), (3.0, 3.0), (-1.0, 7.0)], results):
         torch.testing.assert_close(actual, (base + a) * b)
+
+
+def test_graphs_of_expensive_ops_are_cut_by_compile_cost():
+    """PyTorch's batch-vs-slicing pattern: one complex acos per row of a 512-row tensor. Complex acos costs
+    XLA ~25x a cheap op to compile, so the graph is cut by compile cost long before the op limit, and the
+    equal middle pieces share one program: 3 compiles instead of one program with 512 acos expansions."""
+    x = torch.randn(512, 16, dtype=torch.complex64)
+    expected = torch.stack([torch.acos(row) for row in x])
+    with torch_pjrt.mode("fused"):
+        torch_pjrt.sync()
+        before = torch_pjrt.metrics()
+        rows = [torch.acos(row) for row in x.to("tpu")]
+        actual = torch.stack(rows).cpu()
+        after = torch_pjrt.metrics()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert after["graphs"] - before["graphs"] >= 3
+    assert after["compiles"] - before["compiles"] <= 4
+    # Cheap ops stay in one graph: 1000 adds cost far less than the limit.
+    with torch_pjrt.mode("fused"):
+        torch_pjrt.sync()
+        graphs = torch_pjrt.metrics()["graphs"]
+        y = torch.zeros(4, device="tpu")
+        for _ in range(1000):
+            y = y + 1
+        assert y.cpu().tolist() == [1000.0] * 4
+        assert torch_pjrt.metrics()["graphs"] == graphs + 1
