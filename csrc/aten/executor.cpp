@@ -1001,6 +1001,7 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
   std::vector<Value> flats = emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
+  cached.compile_cost = b.compile_cost();
   cached.operands_known = true;
   // Small programs compile at a lower optimization level: 2-3x faster to
   // compile, and a kernel over at most this many elements runs microseconds
