@@ -1151,7 +1151,8 @@ bool add_written_items(Call& call, int arg, std::string* why) {
 // expandTensors does. nonzero runs on the device and reads back only the
 // count (_data_dependent.py), so the gather or scatter itself is lowered.
 void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
-  auto indices_at = schema.argumentIndexWithName("indices"), self_at = schema.argumentIndexWithName("self");
+  const SchemaFacts& facts = schema_facts(schema);
+  auto indices_at = facts.indices_at, self_at = facts.self_at;
   if (!indices_at || !self_at) return;
   size_t base = stack->size() - schema.arguments().size();
   c10::IValue& indices = (*stack)[base + *indices_at];
@@ -1197,7 +1198,7 @@ void expand_boolean_masks(const c10::FunctionSchema& schema, torch::jit::Stack* 
 // with the CPU's error; indices on the device are checked by the program,
 // whose verdict surfaces at the next wait (Runtime checks, architecture.md).
 void check_host_indices(const Call& call) {
-  std::string base = base_name(call.schema);
+  const std::string& base = base_name(call.schema);
   if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
   const auto& list = call.args[*call.schema.argumentIndexWithName("indices")];
   const at::Tensor& self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
@@ -1229,7 +1230,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     stack->push_back(self);
     return true;
   }
-  const lowering::LoweringEntry* entry = lowering::find_lowering(base_name(schema));
+  const SchemaFacts& facts = schema_facts(schema);
+  const lowering::LoweringEntry* entry = facts.entry;
   if (!entry) {
     *why = "no lowering";
     return false;
@@ -1237,10 +1239,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   size_t nargs = schema.arguments().size();
   Call call{op, schema, std::vector<c10::IValue>(stack->end() - nargs, stack->end()), {}, false, -1};
   for (size_t i = 0; i < nargs; ++i) {
-    const auto& arg = schema.arguments()[i];
-    bool writes = arg.alias_info() && arg.alias_info()->isWrite();
-    for (const auto& name : entry->extra_writes) writes = writes || arg.name() == name;
-    if (!writes || CallContext::absent(call.args[i])) continue;
+    if (!facts.writes[i] || CallContext::absent(call.args[i])) continue;
     if (call.args[i].isTensorList()) {  // fused optimizers: one written entry per item
       if (!add_written_items(call, static_cast<int>(i), why)) return false;
       continue;
@@ -1255,8 +1254,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   call.returns_written = !schema.returns().empty();
   for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
   KeyBuilder kb;
-  kb.allow_host = base_name(schema) == "copy";
-  kb.key = op_name(schema);
+  kb.allow_host = facts.base_name == "copy";
+  kb.key = facts.op_name;
   // Global state meta kernels read: the default dtype (int / int, factories
   // without a dtype, Python floats with integer tensors; the default complex
   // dtype follows it).
@@ -1269,8 +1268,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
-    const auto& runtime = entry->runtime_floats;
-    if (call.args[i].isDouble() && std::find(runtime.begin(), runtime.end(), schema.arguments()[i].name()) != runtime.end()) {
+    if (call.args[i].isDouble() && facts.runtime_float[i]) {
       kb.key += 'f';  // a runtime operand (Context::scalar): its value is no part of the key
       continue;
     }
@@ -1451,19 +1449,47 @@ at::Tensor item_tensor(const c10::IValue& v, int item) {
   auto opt = v.toList().get(item);
   return opt.isNone() ? at::Tensor() : opt.toTensor();
 }
-const std::string& op_name(const c10::FunctionSchema& s) {
+namespace {
+std::string make_base_name(const c10::FunctionSchema& s) {
+  std::string name = s.name();
+  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
+  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
+  return name;
+}
+}  // namespace
+
+const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
   // Built once per schema and thread: every recorded op asks. The entry is checked against the
   // schema's names, so a schema at a reused address (a torch.library op re-registered) gets its own.
-  thread_local std::unordered_map<const c10::FunctionSchema*, std::string> names;
+  thread_local std::unordered_map<const c10::FunctionSchema*, SchemaFacts> cache;
   const std::string& base = s.name();
   const std::string& overload = s.overload_name();
-  std::string& name = names[&s];
+  SchemaFacts& facts = cache[&s];
+  const std::string& name = facts.op_name;
   bool same = name.size() == base.size() + (overload.empty() ? 0 : overload.size() + 1) &&
               name.compare(0, base.size(), base) == 0 &&
               (overload.empty() || (name[base.size()] == '.' && name.compare(base.size() + 1, overload.size(), overload) == 0));
-  if (!same) name = overload.empty() ? base : base + "." + overload;
-  return name;
+  if (same) return facts;
+  facts = SchemaFacts{};
+  facts.op_name = overload.empty() ? base : base + "." + overload;
+  facts.base_name = make_base_name(s);
+  facts.entry = lowering::find_lowering(facts.base_name);
+  facts.indices_at = s.argumentIndexWithName("indices");
+  facts.self_at = s.argumentIndexWithName("self");
+  for (const auto& arg : s.arguments()) {
+    bool writes = arg.alias_info() && arg.alias_info()->isWrite();
+    bool runtime_float = false;
+    if (facts.entry) {
+      for (const auto& name : facts.entry->extra_writes) writes = writes || arg.name() == name;
+      for (const auto& name : facts.entry->runtime_floats) runtime_float = runtime_float || arg.name() == name;
+    }
+    facts.writes.push_back(writes);
+    facts.runtime_float.push_back(runtime_float);
+  }
+  return facts;
 }
+const std::string& op_name(const c10::FunctionSchema& s) { return schema_facts(s).op_name; }
+const std::string& base_name(const c10::FunctionSchema& s) { return schema_facts(s).base_name; }
 
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
   std::string text = op_name(schema) + "(";
@@ -1480,12 +1506,6 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
   return text + ")";
 }
 
-std::string base_name(const c10::FunctionSchema& s) {
-  std::string name = s.name();
-  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
-  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
-  return name;
-}
 void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
 
 std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph,

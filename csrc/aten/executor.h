@@ -15,7 +15,7 @@ struct Work;      // device_context.h
 void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
 // The op's name without namespace, overload or in-place underscore ("add").
-std::string base_name(const c10::FunctionSchema& schema);
+const std::string& base_name(const c10::FunctionSchema& schema);  // "add" for aten::add_.Tensor
 // Gives every lowered op an explicit PrivateUse1 kernel, so lowerings win over
 // PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
 void register_lowered_kernels();

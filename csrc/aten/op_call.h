@@ -143,6 +143,17 @@ std::optional<ElementType> element_of(at::ScalarType t);
 at::ScalarType scalar_type_of(ElementType e);
 ElementType element_or_throw(at::ScalarType t);
 
+// What every call of a schema needs, built once per schema and thread (name
+// lookups and comparisons cost more than recording an op).
+struct SchemaFacts {
+  std::string op_name;    // "aten::add.Tensor"
+  std::string base_name;  // "add": the lowering table's name
+  const lowering::LoweringEntry* entry = nullptr;  // null: no lowering
+  std::optional<size_t> indices_at, self_at;       // those arguments' positions
+  std::vector<char> writes;         // per argument: the op writes it (alias info, or the entry's extra_writes)
+  std::vector<char> runtime_float;  // per argument: one of the entry's runtime float operands
+};
+const SchemaFacts& schema_facts(const c10::FunctionSchema& s);
 const std::string& op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 at::Tensor item_tensor(const c10::IValue& v, int item);
 // The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
