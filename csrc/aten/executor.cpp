@@ -626,11 +626,17 @@ class CallContext final : public lowering::Context {
 };
 
 // ---- building and running ---------------------------------------------------
+// out= tensors take the result's shape. A storage that grows is lowered at its
+// new extent: the key saw the old one, and the same key always grows it alike.
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
   for (const auto& p : plans) {
     if (!p.write) continue;
     at::Tensor t = item_tensor(call.args[p.arg], p.item);
-    if (!t.sizes().equals(p.dims)) t.resize_(p.dims);
+    if (t.sizes().equals(p.dims)) continue;
+    t.resize_(p.dims);
+    const StorageState* st = &storage_state(t.storage());
+    for (KeyedStorage& keyed : call.keyed_storages)
+      if (keyed.state == st) keyed.extent = extent_bytes(*st);
   }
 }
 

@@ -278,3 +278,20 @@ def test_fused_inference_loop_is_one_repeating_graph_per_batch():
     want = sum(int((cpu_model(xs[i % 3]).argmax(1) == ys[i % 3]).sum()) for i in range(12))
     assert totals == [want, want]
     assert m["graphs"] >= 12 and m["compiles"] == 0
+
+
+@pytest.mark.parametrize("mode", ["fused", "lazy", "strict"])
+def test_out_tensor_the_op_resizes_is_lowered_at_its_new_size(mode):
+    """arange(out=empty(0)) grows out's storage after the op's signature was taken (mvlgamma does this)."""
+    x = torch.rand(3, dtype=torch.float64) + 5
+    with torch_pjrt.mode(mode):
+        before = dict(torch_pjrt.metrics()["cpu_fallbacks"])
+        out = torch.empty(0, device="tpu")
+        torch.arange(0, 5, out=out)
+        partial = torch.zeros(2, device="tpu")
+        torch.arange(1.0, 4.0, out=partial)  # grows a storage that has a value
+        mv = torch.mvlgamma(x.to("tpu"), 5)
+        assert out.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert partial.cpu().tolist() == [1.0, 2.0, 3.0]
+        torch.testing.assert_close(mv.cpu(), torch.mvlgamma(x, 5))
+        assert torch_pjrt.metrics()["cpu_fallbacks"] == before
