@@ -157,6 +157,8 @@ size_t graph_op_limit() {
   return limit;
 }
 
+thread_local bool t_size_cuts = true;
+
 size_t graph_cost_limit() {
   static size_t limit = [] {
     const char* env = std::getenv("TORCH_PJRT_FUSION_COST");
@@ -236,7 +238,8 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   ++metrics().fused_ops;
   graph::count_lowered_op(op_name(call.schema));
   push_returns(stack, nargs, *cached, outs);
-  if (mode() == Mode::Fused && (g.ops.size() >= graph_op_limit() || g.compile_cost >= graph_cost_limit()))
+  if (mode() == Mode::Fused && t_size_cuts &&
+      (g.ops.size() >= graph_op_limit() || g.compile_cost >= graph_cost_limit()))
     run_graph(g);
   return true;
 }
@@ -581,6 +584,12 @@ void run_graph(PendingGraph& g) {
 }
 
 }  // namespace
+
+bool set_size_cuts(bool enabled) {
+  bool old = t_size_cuts;
+  t_size_cuts = enabled;
+  return old;
+}
 
 void flush_pending(int device) {
   check_not_forked();  // before the lock: a thread of the parent may have held it at the fork

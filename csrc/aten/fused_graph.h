@@ -15,6 +15,11 @@ namespace torch_pjrt {
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
             std::string&& op_key);
 
+// Whether this thread's recording cuts a fused graph at the op and
+// compile-cost limits (default true). A torch.compile graph is recorded
+// without those cuts: its replay needs it as one program. Returns the old value.
+bool set_size_cuts(bool enabled);
+
 // torch.compile graphs (see fused_graph.cpp, "replay"). After a compiled
 // graph's ops were recorded (nothing else since the last cut): runs the graph
 // and returns a plan that runs its program again on new inputs, or null.

@@ -86,6 +86,7 @@ PYBIND11_MODULE(_C, m) {
     return "strict";
   });
   m.def("_sync", [] { flush_pending(); }, release_gil());
+  m.def("_set_size_cuts", &set_size_cuts);
   py::class_<ReplayHandle>(m, "_ReplayPlan");
   m.def("_run_and_capture", [](const std::vector<at::Tensor>& inputs,
                                const std::vector<std::optional<at::Tensor>>& outputs) -> std::optional<ReplayHandle> {

@@ -119,6 +119,7 @@ class _CompiledGraph:
         previous = _C._get_mode()
         if previous != "fused":
             _C._set_mode("fused")
+        size_cuts = _C._set_size_cuts(False)  # one program: what a replay runs
         try:
             if replayable:
                 _C._sync()  # the graph to capture holds this graph's ops alone
@@ -137,6 +138,7 @@ class _CompiledGraph:
                     self.plans[sizes] = (plan, int_outputs, len(outs))
             return outs
         finally:
+            _C._set_size_cuts(size_cuts)
             if previous != "fused":
                 _C._set_mode(previous)
 

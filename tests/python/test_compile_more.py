@@ -169,3 +169,21 @@ def test_dynamic_shapes_training_replays_per_size():
             for (name, p), q in zip(dev.named_parameters(), cpu.parameters()):
                 torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
         assert replayed == 2, torch_pjrt._C._replay_refusal()  # the last call (a repeated size): both graphs
+
+
+def test_compiled_graph_over_the_fusion_limits_is_still_one_program():
+    """A compiled graph is recorded without fused mode's size cuts (op count, compile cost): 300 complex
+    multiply-adds and acos cost more than one fused graph may, yet the graph replays as one program."""
+    def f(z):
+        for _ in range(150):
+            z = torch.acos(z * 0.5 + 0.1)
+        return z
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="tpu")
+    x = torch.randn(8, dtype=torch.complex64)
+    with torch_pjrt.mode("fused"):
+        before = _replays()
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x.to(DEVICE)).cpu(), f(x), rtol=1e-4, atol=1e-5)
+        assert _replays() - before == 2
