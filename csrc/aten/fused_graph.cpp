@@ -315,6 +315,19 @@ std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
   return bad - 1;
 }
 
+// A small graph (few ops, small tensors: a test's or a script's first steps)
+// compiles at the lower optimization level strict mode gives small ops: about
+// half the compile time, microseconds more to run (benchmarks/bench_compile.py).
+graph::Effort graph_effort(const PendingGraph& g, const lowering::Builder& b, const std::vector<Value>& outputs) {
+  constexpr size_t kQuickOps = 32;
+  constexpr int64_t kQuickElements = int64_t{1} << 16;
+  if (g.ops.size() > kQuickOps) return graph::Effort::Full;
+  int64_t largest = 0;
+  for (const lowering::TensorType& t : b.parameters()) largest = std::max(largest, t.element_count());
+  for (const Value& v : outputs) largest = std::max(largest, v.type.element_count());
+  return largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
+}
+
 std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
                                              const std::map<int, int>& donated) {
   auto start = std::chrono::steady_clock::now();
@@ -334,7 +347,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   metrics().graph_lowering_seconds += took.count();
   try {
-    compiled->program = compile_cache().get_or_compile(program, g.device);
+    compiled->program = compile_cache().get_or_compile(program, g.device, graph_effort(g, b, outputs));
   } catch (const std::exception& e) {
     if (auto op = first_op_failing_to_compile(g)) throw OpFailure(*op, e.what());
     throw;
