@@ -4,6 +4,11 @@ References: PyTorch on the CPU for values; for dropout, its semantics (a fresh
 mask per call, the same mask after the same seed, kept values scaled by
 1/(1-p), the gradient through the same mask).
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn as nn
@@ -171,19 +176,29 @@ def test_dynamic_shapes_training_replays_per_size():
         assert replayed == 2, torch_pjrt._C._replay_refusal()  # the last call (a repeated size): both graphs
 
 
-def test_compiled_graph_over_the_fusion_limits_is_still_one_program():
-    """A compiled graph is recorded without fused mode's size cuts (op count, compile cost): 300 complex
-    multiply-adds and acos cost more than one fused graph may, yet the graph replays as one program."""
-    def f(z):
-        for _ in range(150):
-            z = torch.acos(z * 0.5 + 0.1)
-        return z
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="tpu")
-    x = torch.randn(8, dtype=torch.complex64)
-    with torch_pjrt.mode("fused"):
-        before = _replays()
-        for _ in range(3):
-            torch.testing.assert_close(compiled(x.to(DEVICE)).cpu(), f(x), rtol=1e-4, atol=1e-5)
-        assert _replays() - before == 2
+def test_compiled_graph_over_the_fusion_limits_is_still_one_program(tmp_path):
+    """A compiled graph is recorded without fused mode's size cuts (op count, compile cost): with both limits
+    far below its 60 ops, the graph still replays as one program, and eager fused mode still cuts."""
+    script = textwrap.dedent("""
+        import torch, torch_pjrt
+        def f(z):
+            for _ in range(20):
+                z = torch.tanh(z * 0.5 + 0.1)
+            return z
+        compiled = torch.compile(f, backend="tpu")
+        x = torch.randn(8)
+        with torch_pjrt.mode("fused"):
+            for _ in range(3):
+                torch.testing.assert_close(compiled(x.to("tpu")).cpu(), f(x), rtol=1e-5, atol=1e-6)
+            replays = torch_pjrt.metrics()["compiled_replays"]
+            graphs = torch_pjrt.metrics()["graphs"]
+            torch.testing.assert_close(f(x.to("tpu")).cpu(), f(x), rtol=1e-5, atol=1e-6)
+            print(replays, torch_pjrt.metrics()["graphs"] - graphs)
+    """)
+    env = dict(os.environ, TORCH_PJRT_FUSION_LIMIT="10", TORCH_PJRT_FUSION_COST="40", TORCH_PJRT_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    replays, eager_graphs = map(int, out.stdout.split()[-2:])
+    assert replays == 2  # calls 2 and 3 ran the captured program
+    assert eager_graphs >= 6  # 60 ops in eager fused mode: cut by both limits
