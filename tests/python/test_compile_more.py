@@ -196,7 +196,8 @@ def test_compiled_graph_over_the_fusion_limits_is_still_one_program(tmp_path):
             torch.testing.assert_close(f(x.to("tpu")).cpu(), f(x), rtol=1e-5, atol=1e-6)
             print(replays, torch_pjrt.metrics()["graphs"] - graphs)
     """)
-    env = dict(os.environ, TORCH_PJRT_FUSION_LIMIT="10", TORCH_PJRT_FUSION_COST="40", TORCH_PJRT_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, TORCH_PJRT_FUSION_LIMIT="10", TORCH_PJRT_FUSION_COST="40", TORCH_PJRT_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     replays, eager_graphs = map(int, out.stdout.split()[-2:])
