@@ -439,15 +439,13 @@ class CallContext final : public lowering::Context {
   // The type the op's signature saw: the plan cached under that signature
   // must not depend on what another thread installed since.
   std::optional<lowering::TensorType> keyed_type(const StorageState& st) const {
-    for (const KeyedStorage& keyed : call_.keyed_storages)
-      if (keyed.state == &st) return keyed.type;
-    return storage_type(st);
+    const KeyedStorage* keyed = find_keyed(call_, &st);
+    return keyed ? keyed->type : storage_type(st);
   }
   // Its extent when keyed: a fused graph lowers a recorded op after the storage may have been freed.
   size_t keyed_extent(const StorageState& st) const {
-    for (const KeyedStorage& keyed : call_.keyed_storages)
-      if (keyed.state == &st) return keyed.extent;
-    return extent_bytes(st);
+    const KeyedStorage* keyed = find_keyed(call_, &st);
+    return keyed ? keyed->extent : extent_bytes(st);
   }
 
   // A storage offset of 0 stays static (the common case, the simplest
@@ -635,8 +633,7 @@ void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
     if (t.sizes().equals(p.dims)) continue;
     t.resize_(p.dims);
     const StorageState* st = &storage_state(t.storage());
-    for (KeyedStorage& keyed : call.keyed_storages)
-      if (keyed.state == st) keyed.extent = extent_bytes(*st);
+    if (KeyedStorage* keyed = find_keyed(call, st)) keyed->extent = extent_bytes(*st);
   }
 }
 

@@ -154,6 +154,14 @@ struct SchemaFacts {
   std::vector<char> runtime_float;  // per argument: one of the entry's runtime float operands
 };
 const SchemaFacts& schema_facts(const c10::FunctionSchema& s);
+
+// The call's entry for storage `st` (null: not one of its storages; a call has few: a linear scan).
+template <typename CallT>
+auto find_keyed(CallT& call, const StorageState* st) -> decltype(&call.keyed_storages[0]) {
+  for (auto& keyed : call.keyed_storages)
+    if (keyed.state == st) return &keyed;
+  return nullptr;
+}
 const std::string& op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 at::Tensor item_tensor(const c10::IValue& v, int item);
 // The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
