@@ -4,32 +4,72 @@
 #
 #   here:   mkdir -p .pjrt_include && cp "$(python -c 'import xla_plugins.xla_cpu_pjrt as m, os; \
 #             print(os.path.join(os.path.dirname(m.__file__), "include"))')"/*.h .pjrt_include/
-#   device: run(command="bash tools/gpu_check.sh", carry=[".pjrt_include"], timeout_s=540)
+#   device: run(command="bash tools/gpu_check.sh", carry=[".pjrt_include"], timeout_s=560)
 #
-# Writes its log to $OUT/gpu_check.log (or ./gpu_check.log without $OUT).
+# Phases share one deadline (GPU_CHECK_SECONDS, default 520 s from the start),
+# so a slow build leaves less to the tests but the script still ends in time.
+# A dry run on a machine without a GPU (needs pytest-xdist):
+#   GPU_CHECK_PLUGIN=cpu GPU_CHECK_SKIP_BUILD=1 GPU_CHECK_SECONDS=200 bash tools/gpu_check.sh
+# Logs go to $OUT (or ./gpu_check_logs without $OUT): gpu_check.log (all),
+# tests_<mode>.log (pytest -v lines, kept even when a phase is cut short).
 set -uo pipefail
-LOG="${OUT:-.}/gpu_check.log"
-exec > >(tee "$LOG") 2>&1
+LOGS="${OUT:-./gpu_check_logs}"
+mkdir -p "$LOGS"
+exec > >(tee "$LOGS/gpu_check.log") 2>&1
+DEADLINE=${GPU_CHECK_SECONDS:-520}
+left() { echo $((DEADLINE - SECONDS)); }
+# A phase gets at most $1 seconds, and never past the deadline minus $2 (reserved for later phases).
+budget() { local b=$(( $(left) - $2 )); (( b > $1 )) && b=$1; (( b < 10 )) && b=10; echo $b; }
 PY=$(command -v python3 || command -v python)
-echo "== machine"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
-$PY -c "import torch_pjrt._plugins as p; print('cuda plugin:', p.find_plugin('cuda'))" 2>/dev/null \
-  || PYTHONPATH=python $PY -c "import importlib.util as u; print('jax cuda plugins:', [n for n in ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13') if u.find_spec(n)])"
+echo "== machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+$PY -c "import jax; print('jax', jax.__version__, jax.default_backend())" 2>&1 | tail -1
 
 echo "== build (torch of this machine)"
 for tool in cmake ninja; do command -v $tool >/dev/null || echo "missing: $tool"; done
+start=$SECONDS
+if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$PY" \
-  -DPJRT_INCLUDE_DIR="$PWD/.pjrt_include" -DTORCH_PJRT_BUILD_TESTS=OFF >/dev/null || { echo "cmake failed"; exit 1; }
-ninja -C build-gpu -j16 || { echo "build failed"; exit 1; }
+  -DPJRT_INCLUDE_DIR="$PWD/.pjrt_include" -DTORCH_PJRT_BUILD_TESTS=OFF > "$LOGS/cmake.log" 2>&1 \
+  || { tail -40 "$LOGS/cmake.log"; echo "cmake failed"; exit 1; }
+ninja -C build-gpu -j16 > "$LOGS/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$LOGS/build.log" | head -80; echo "build failed"; exit 1; }
+fi
+echo "built in $((SECONDS - start)) s"
 
-export PYTHONPATH=python:tests/python TORCH_PJRT_PLUGIN=cuda
+# jax in the same process as torch_pjrt and PyTorch's CUDA tensors: no one reserves the GPU up front.
+export PYTHONPATH=python:tests/python TORCH_PJRT_PLUGIN=${GPU_CHECK_PLUGIN:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 echo "== platform"
-$PY -c "import torch_pjrt; print(torch_pjrt.platform())" || exit 1
-echo "== tests on the GPU (fused default, then strict)"
-for mode in fused strict; do
-  TORCH_PJRT_MODE=$mode timeout 150 $PY -m pytest -q -x -p no:cacheprovider tests/python/test_device.py \
-    tests/python/test_ops.py tests/python/test_fused.py tests/python/test_training.py 2>&1 | tail -5
-done
-echo "== benchmarks"
-timeout 200 $PY benchmarks/bench_fused.py
-timeout 60 $PY benchmarks/bench_eager.py | tail -12
+timeout 120 $PY -c "
+import torch, torch_pjrt
+print(torch_pjrt.platform(), torch.tpu.device_count(), 'device(s)')
+a = torch.randn(64, 32); b = torch.randn(32, 16)
+for mode in ('strict', 'fused'):
+    with torch_pjrt.mode(mode):
+        got = (a.to('tpu') @ b.to('tpu')).relu().sum(0).cpu()
+    print(mode, 'matmul/relu/sum vs CPU: max abs diff', (got - (a @ b).relu().sum(0)).abs().max().item())
+" || exit 1
+
+# Tests: the files that compare against CPU PyTorch, several workers (XLA:GPU
+# compiles on the host's cores). Multi-process and CPU-plugin-specific files are left out.
+TESTS="test_device.py test_ops.py test_fused.py test_training.py test_nan_semantics.py test_index_checks.py
+  test_exactness.py test_matmul_precision.py test_autocast.py test_views_autograd.py test_failed_steps.py
+  test_compile_backend.py test_jax_op.py test_fused_optim.py test_complex.py test_moe_ops.py test_generation.py
+  test_memory_format.py test_rnn.py test_eager_checks.py test_opinfo.py"
+FILES=$(for f in $TESTS; do echo tests/python/$f; done)
+run_tests() {  # mode, seconds at most, seconds to keep for what follows
+  local b=$(budget "$2" "$3") extra=""
+  [ "$1" = fused ] || extra='-m "not modes_inside"'
+  echo "== tests, $1 mode ($b s at most)"
+  eval TORCH_PJRT_MODE=$1 timeout -s INT -k 15 "$b" $PY -m pytest -v -p no:cacheprovider -n 12 --timeout 120 \
+    $extra $FILES > "$LOGS/tests_$1.log" 2>&1
+  echo "exit $?; passed $(grep -c ' PASSED' "$LOGS/tests_$1.log"), failed $(grep -c ' FAILED' "$LOGS/tests_$1.log"),"\
+       "errors $(grep -c ' ERROR' "$LOGS/tests_$1.log"), skipped $(grep -c ' SKIPPED' "$LOGS/tests_$1.log")"
+  grep -E ' (FAILED|ERROR) ' "$LOGS/tests_$1.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | cut -c1-200 | sort -u | head -40
+  tail -2 "$LOGS/tests_$1.log"
+}
+run_tests fused 170 200
+echo "== benchmark (side by side: PyTorch CUDA eager, torch_pjrt on the CUDA plugin, jax.jit)"
+timeout -k 10 "$(budget 170 40)" $PY benchmarks/bench_gpu.py
+
+run_tests strict 200 0
+echo "== done in $SECONDS s"

@@ -43,6 +43,30 @@ std::string& configured_path() {
   static std::string path;
   return path;
 }
+std::string& configured_platform() {
+  static std::string platform;
+  return platform;
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::atoll(value) : fallback;
+}
+
+// PJRT_Client_Create rejects options a plugin does not know, so each platform
+// gets its own. The CUDA plugin would otherwise reserve 75% of the GPU at start;
+// growing on demand lets PyTorch's CUDA tensors and JAX share the GPU, as
+// PyTorch's own caching allocator does.
+std::vector<pjrt::CreateOption> client_options(const std::string& platform) {
+  if (platform == "cpu") return {{"cpu_device_count", env_int("TORCH_PJRT_CPU_DEVICES", 1)}};
+  if (platform == "cuda") {
+    std::vector<pjrt::CreateOption> options{{"preallocate", env_int("TORCH_PJRT_GPU_PREALLOCATE", 0) != 0}};
+    if (const char* fraction = std::getenv("TORCH_PJRT_GPU_MEMORY_FRACTION"); fraction && *fraction)
+      options.push_back({"memory_fraction", static_cast<float>(std::atof(fraction))});
+    return options;
+  }
+  return {};
+}
 
 // The runtime is never destroyed. Caches elsewhere hold buffers and
 // executables, and destroying the client at exit before them, or while the
@@ -55,9 +79,7 @@ Runtime& runtime() {
   std::call_once(once, [] {
     try {
       TORCH_CHECK(!configured_path().empty(), "no PJRT plugin configured: import torch_pjrt first");
-      int64_t cpu_devices = 1;
-      if (const char* env = std::getenv("TORCH_PJRT_CPU_DEVICES")) cpu_devices = std::atoll(env);
-      rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), cpu_devices);
+      rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), client_options(configured_platform()));
       std::unique_ptr<graph::DiskCache> disk;
       if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR"); dir && *dir) {
         const char* limit = std::getenv("TORCH_PJRT_CACHE_MAX_BYTES");
@@ -538,10 +560,11 @@ uintptr_t storage_buffer_address(const StorageState& state) {
 Mode mode() { return g_mode; }
 void set_mode(Mode m) { g_mode = m; }
 
-void configure_plugin(const std::string& path) {
+void configure_plugin(const std::string& path, const std::string& platform) {
   TORCH_CHECK(!runtime_started() || path == configured_path(),
               "the tpu runtime already started with plugin ", configured_path());
   configured_path() = path;
+  configured_platform() = platform;
 }
 const std::string& plugin_path() { return configured_path(); }
 pjrt::Client& client() {

@@ -76,7 +76,9 @@ Mode mode();
 void set_mode(Mode mode);
 
 // The runtime is created on first use from the configured plugin.
-void configure_plugin(const std::string& path);
+// `platform` ("cpu", "cuda", "tpu" or "" when unknown) picks the client's
+// create options.
+void configure_plugin(const std::string& path, const std::string& platform);
 const std::string& plugin_path();
 pjrt::Client& client();
 graph::CompileCache& compile_cache();

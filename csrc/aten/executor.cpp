@@ -901,6 +901,17 @@ std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::
   return out;
 }
 
+// PyTorch's float32 matmul precision: "highest" (the default) is full float32,
+// as on the CPU; "high" and "medium" let the device use faster passes (TF32 or
+// bf16 on a GPU), as they let CUDA.
+lowering::Builder::Precision float32_precision() {
+  switch (at::globalContext().float32MatmulPrecision()) {
+    case at::Float32MatmulPrecision::HIGHEST: return lowering::Builder::Precision::Highest;
+    case at::Float32MatmulPrecision::HIGH: return lowering::Builder::Precision::High;
+    default: return lowering::Builder::Precision::Default;
+  }
+}
+
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   check_memory_overlap(call);
@@ -908,6 +919,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   auto cached = std::make_shared<CachedOp>();
   check_on_cpu_where_meta_may_not(call);
   cached->meta = infer_meta(call);
+  cached->float32_precision = float32_precision();
   apply_cpu_layout_rules(call, cached->meta);
   apply_cpu_norm_stats_rules(call, cached->meta);
   cached->entry = &entry;
@@ -939,6 +951,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
 // whole new storage of a written argument, or the dense new tensor.
 std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached, CallContext& ctx) {
   const MetaResult& meta = cached.meta;
+  b.set_float32_precision(cached.float32_precision);
   std::vector<Value> results = cached.entry->fn(ctx);
   if (cached.flat_capacity > 0) return results;  // already the result's flat buffer, of its capacity
   if (results.size() != meta.outputs.size())
@@ -1263,6 +1276,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   // without a dtype, Python floats with integer tensors; the default complex
   // dtype follows it).
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
+  // torch.set_float32_matmul_precision: how float32 dots and convolutions compute.
+  kb.key += static_cast<char>('0' + static_cast<int>(float32_precision()));
   int64_t flat_capacity = flat_cat_capacity(call);
   if (flat_capacity > 0) {
     kb.shapeless = true;

@@ -61,6 +61,8 @@ struct CachedOp {
   const lowering::LoweringEntry* entry = nullptr;
   bool operands_known = false;
   size_t compile_cost = 0;  // its lowering's Builder::compile_cost, known with its operands
+  // torch.get_float32_matmul_precision() when planned (part of the op's key).
+  lowering::Builder::Precision float32_precision = lowering::Builder::Precision::Highest;
   bool outputs_empty = false;  // every output has zero elements: nothing to run
   // A flat cat (flat_cat_capacity): its result's buffer holds this many
   // elements, and its sizes come from each call, not from the plan. 0: no.

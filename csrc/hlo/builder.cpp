@@ -579,7 +579,16 @@ Value Builder::dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& 
   parts.push_back("rhs_contracting_dimensions = " + list(rhs_contract));
   for (size_t i = 0; i < parts.size(); ++i) dn += (i ? ", " : "") + parts[i];
   dn += ">";
-  return emit("dot_general", {a, b}, "{dot_dimension_numbers = " + dn + "}", TensorType{result, out});
+  return emit("dot_general", {a, b}, "{dot_dimension_numbers = " + dn + precision_attr(a) + "}",
+              TensorType{result, out});
+}
+
+std::string Builder::precision_attr(const Value& operand) const {
+  if (operand.element() != ElementType::F32 && operand.element() != ElementType::C64) return "";
+  const char* name = float32_precision_ == Precision::Highest ? "HIGHEST"
+                     : float32_precision_ == Precision::High  ? "HIGH"
+                                                              : "DEFAULT";
+  return std::string(", precision_config = [#stablehlo<precision ") + name + ">, #stablehlo<precision " + name + ">]";
 }
 
 Value Builder::convolution(Value lhs, Value rhs, const Dims& out_dims, const Dims& strides, const Dims& padding_low,
@@ -595,7 +604,7 @@ Value Builder::convolution(Value lhs, Value rhs, const Dims& out_dims, const Dim
                   ", feature_group_count = " + std::to_string(feature_group_count) +
                   " : i64, lhs_dilation = " + dims_attr(lhs_dilation) + ", padding = " +
                   padding_attr(padding_low, padding_high) + ", rhs_dilation = " + dims_attr(rhs_dilation) +
-                  ", window_strides = " + dims_attr(strides) + "}",
+                  ", window_strides = " + dims_attr(strides) + precision_attr(lhs) + "}",
               TensorType{result.value_or(lhs.element()), out_dims});
 }
 

@@ -94,7 +94,11 @@ class Builder {
   Value select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,
                            const Dims& padding_low, const Dims& padding_high);
 
-  // Linear algebra.
+  // Linear algebra. Float32 dots and convolutions compute at `precision`
+  // (XLA's DEFAULT lets a GPU use TF32 or bf16 passes; HIGHEST is full
+  // float32, what PyTorch's default float32 matmul precision "highest" means).
+  enum class Precision { Default, High, Highest };
+  void set_float32_precision(Precision precision) { float32_precision_ = precision; }
   Value dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& rhs_batch, const Dims& lhs_contract,
                     const Dims& rhs_contract, ElementType result);
   // Layout: lhs [N, C, spatial...], rhs [O, I, spatial...], out [N, C, spatial...].
@@ -180,8 +184,11 @@ class Builder {
   // Max/Min still propagates NaN: a NaN anywhere in the group is the result.
   Value nan_propagating_collective(Value x, Reducer reducer, const std::function<Value(Value, Reducer)>& reduce_op);
   Value nan_propagating(const char* op, Value a, Value b);
+  // The precision_config attribute for a dot or convolution of `operand`s type ("" for none).
+  std::string precision_attr(const Value& operand) const;
   int next_id_ = 0;
   size_t compile_cost_ = 0;
+  Precision float32_precision_ = Precision::Highest;
   std::vector<TensorType> params_;
   std::string body_;
   std::map<std::string, std::string> functions_;  // symbol -> definitions, emitted after @main

@@ -4,16 +4,28 @@
 
 namespace torch_pjrt::pjrt {
 
-std::shared_ptr<Client> Client::create(std::shared_ptr<Plugin> plugin, int64_t cpu_device_count) {
+std::shared_ptr<Client> Client::create(std::shared_ptr<Plugin> plugin, const std::vector<CreateOption>& given) {
   std::vector<PJRT_NamedValue> options;
-  static const char kCpuDeviceCount[] = "cpu_device_count";
-  if (cpu_device_count > 0) {
+  for (const CreateOption& option : given) {
     auto nv = PJRT_ARGS(PJRT_NamedValue);
-    nv.name = kCpuDeviceCount;
-    nv.name_size = sizeof(kCpuDeviceCount) - 1;
-    nv.type = PJRT_NamedValue_kInt64;
-    nv.int64_value = cpu_device_count;
+    nv.name = option.name.data();
+    nv.name_size = option.name.size();
     nv.value_size = 1;
+    if (auto* i = std::get_if<int64_t>(&option.value)) {
+      nv.type = PJRT_NamedValue_kInt64;
+      nv.int64_value = *i;
+    } else if (auto* b = std::get_if<bool>(&option.value)) {
+      nv.type = PJRT_NamedValue_kBool;
+      nv.bool_value = *b;
+    } else if (auto* f = std::get_if<float>(&option.value)) {
+      nv.type = PJRT_NamedValue_kFloat;
+      nv.float_value = *f;
+    } else {
+      const auto& text = std::get<std::string>(option.value);
+      nv.type = PJRT_NamedValue_kString;
+      nv.string_value = text.data();
+      nv.value_size = text.size();
+    }
     options.push_back(nv);
   }
   auto args = PJRT_ARGS(PJRT_Client_Create_Args);

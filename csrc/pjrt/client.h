@@ -1,7 +1,9 @@
 // A PJRT client: devices, compilation and host-to-device transfers.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "pjrt/buffer.h"
@@ -11,11 +13,16 @@
 
 namespace torch_pjrt::pjrt {
 
+// One PJRT_Client_Create option. Plugins reject names they do not know, so
+// which options a client gets depends on the plugin (see aten/device.cpp).
+struct CreateOption {
+  std::string name;
+  std::variant<int64_t, bool, float, std::string> value;
+};
+
 class Client {
  public:
-  // `cpu_device_count` is passed to plugins that accept it (the CPU plugin);
-  // 0 leaves the plugin's default.
-  static std::shared_ptr<Client> create(std::shared_ptr<Plugin> plugin, int64_t cpu_device_count = 0);
+  static std::shared_ptr<Client> create(std::shared_ptr<Plugin> plugin, const std::vector<CreateOption>& options = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;

@@ -27,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
-from ._plugins import find_plugin
+from ._plugins import find_plugin, platform_of
 from . import device_module
 from . import _decompositions
 from . import _data_dependent
@@ -41,7 +41,8 @@ MODES = ("debug", "strict", "fused", "lazy")
 
 
 def _register() -> None:
-    _C._configure_plugin(find_plugin(os.environ.get("TORCH_PJRT_PLUGIN", "cpu")))
+    plugin = os.environ.get("TORCH_PJRT_PLUGIN", "cpu")
+    _C._configure_plugin(find_plugin(plugin), platform_of(plugin))
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)

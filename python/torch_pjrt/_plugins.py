@@ -49,3 +49,15 @@ def find_plugin(name_or_path: str) -> str:
     raise RuntimeError(
         f"no PJRT plugin found for platform {name_or_path!r} (looked in {', '.join(tried)}): {hint[name_or_path]}"
     )
+
+
+def platform_of(name_or_path: str) -> str:
+    """The platform a TORCH_PJRT_PLUGIN value names ('cpu', 'cuda', 'tpu'; '' if unknown):
+    it chooses the options the client is created with (plugins reject unknown ones)."""
+    if name_or_path in _PACKAGES:
+        return name_or_path
+    base = os.path.basename(name_or_path).lower()
+    for platform, hints in (("cpu", ("cpu",)), ("cuda", ("cuda", "gpu")), ("tpu", ("tpu",))):
+        if any(h in base for h in hints):
+            return platform
+    return ""

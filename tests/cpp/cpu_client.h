@@ -13,7 +13,7 @@ inline std::shared_ptr<pjrt::Client> cpu_client(int devices) {
   static std::shared_ptr<pjrt::Client> c = [devices] {
     const char* path = std::getenv("PJRT_CPU_PLUGIN");
     if (!path) throw std::runtime_error("set PJRT_CPU_PLUGIN to the CPU plugin .so");
-    return pjrt::Client::create(pjrt::Plugin::load(path), devices);
+    return pjrt::Client::create(pjrt::Plugin::load(path), {{"cpu_device_count", int64_t{devices}}});
   }();
   return c;
 }

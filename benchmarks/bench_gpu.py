@@ -1,0 +1,123 @@
+"""GPU benchmark, for a machine with an NVIDIA GPU and the CUDA PJRT plugin
+(run by tools/gpu_check.sh with TORCH_PJRT_PLUGIN=cuda). Side by side in one run,
+measured round-robin (one step of each column in turn):
+
+- the GPT training step of bench_fused.py (4 layers, width 256, batch 4, seq 128,
+  AdamW) and a GPT-2-small-sized one (12 layers, width 768, batch 8, seq 512,
+  vocabulary 8192), float32;
+- columns: PyTorch's own CUDA eager, torch_pjrt strict / fused / compiled
+  (torch.compile(backend="tpu")) on the CUDA plugin, and the same step as one
+  jax.jit program on jax's CUDA backend (if jax is installed);
+- host cost per op on tiny tensors: fused recording against PyTorch CUDA eager.
+
+Every column computes in float32 with each framework's default matmul precision
+on the GPU (PyTorch CUDA: full float32; XLA:GPU: its default), printed below.
+
+    TORCH_PJRT_PLUGIN=cuda PYTHONPATH=python python benchmarks/bench_gpu.py [--quick]
+"""
+import os
+import sys
+import time
+
+import torch
+
+import torch_pjrt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_compile_backend import compiled_stepper, eager_stepper  # noqa: E402
+from bench_fused import GPT, gpt_setup  # noqa: E402
+
+median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+# The reference column: PyTorch on the GPU (on a machine without one, its CPU, to try the script).
+REF = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpt2_small_setup(device):
+    model = GPT(vocab=8192, width=768, layers=12, heads=12, seq=512).to(device)
+    idx = torch.randint(0, 8192, (8, 512))
+    return model, idx.to(device), idx.roll(-1, 1).to(device)
+
+
+def timed(label, make):
+    start = time.perf_counter()
+    value = make()
+    print(f"  ({label}: set up and first steps in {time.perf_counter() - start:.1f} s)", flush=True)
+    return value
+
+
+def warm(step, n=2):
+    for _ in range(n):
+        step()
+    return step
+
+
+def side_by_side(setup, steps, with_strict):
+    steppers = {REF + " eager": timed(REF + " eager", lambda: warm(eager_stepper(setup, REF, "strict")))}
+    modes = ("strict", "fused") if with_strict else ("fused",)
+    for mode in modes:
+        steppers["tpu " + mode] = timed("tpu " + mode, lambda: warm(eager_stepper(setup, "tpu", mode)))
+    steppers["tpu compiled"], programs, _ = timed("tpu compiled", lambda: compiled_stepper(setup))
+    try:
+        import jax
+        import jax_gpt
+
+        torch.manual_seed(0)
+        model, x, y = setup("cpu")
+        trainer = timed("jax.jit", lambda: jax_gpt.JaxTrainer(
+            model, x, y, layers=len(model.blocks), heads=model.blocks[0].heads))
+        warm(trainer.step)
+        steppers[f"jax.jit ({jax.default_backend()})"] = trainer.step
+    except Exception as e:  # noqa: BLE001 - jax is optional here
+        print(f"  (jax.jit column skipped: {type(e).__name__}: {e})")
+    times = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    times = {name: median(t) for name, t in times.items()}
+    ref = times[REF + " eager"]
+    for name, t in times.items():
+        print(f"{name:20s} {t * 1e3:9.2f} ms/step  {ref / t:5.2f}x {REF} eager")
+    print(f"compiled: {programs} XLA programs per step; fused vs {REF} eager "
+          f"{ref / times['tpu fused']:.2f}x, compiled vs fused {times['tpu fused'] / times['tpu compiled']:.2f}x")
+    return times
+
+
+def per_op_cost(device, n=500):
+    def loop(a):
+        start = time.perf_counter()
+        b = a
+        for _ in range(n):
+            b = b + 1.0
+        return (time.perf_counter() - start) / n * 1e6, b
+
+    a = torch.randn(4, 4, device=device)
+    out = []
+    for _ in range(5):
+        with torch_pjrt.mode("fused"):
+            us, b = loop(a)
+            b.cpu()  # the fused graph runs here, outside the clock
+        out.append(us)
+    return median(out)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    print("platform:", torch_pjrt.platform(), "| torch", torch.__version__, "|",
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA torch")
+    print("matmul precision: PyTorch float32", torch.get_float32_matmul_precision(),
+          "| XLA:GPU default (TF32 allowed)")
+    fused_us, cuda_us = per_op_cost("tpu"), per_op_cost(REF)
+    print(f"\n== host cost per op (4x4 add, 500 ops): fused recording {fused_us:.1f} us, "
+          f"PyTorch {REF} eager {cuda_us:.1f} us: {fused_us / cuda_us:.2f}x ==")
+    sizes = [("GPT 4x256, batch 4, seq 128", gpt_setup, 15, True)]
+    if not quick:
+        sizes.append(("GPT 12x768, batch 8, seq 512, vocab 8192", gpt2_small_setup, 7, False))
+    for name, setup, steps, with_strict in sizes:
+        print(f"\n== {name}: training step (forward, backward, AdamW), round-robin ==", flush=True)
+        side_by_side(setup, steps, with_strict)
+
+
+if __name__ == "__main__":
+    main()
