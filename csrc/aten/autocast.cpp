@@ -19,7 +19,9 @@
 namespace torch_pjrt {
 namespace {
 
-// AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE spells these unqualified.
+// AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE spells these unqualified
+// (DimnameList: torch <= 2.11's list still has norm.names_ScalarOpt_dim).
+using at::DimnameList;
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
