@@ -110,7 +110,7 @@ def register() -> None:
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": torch's own meta
-        _library.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+        _library.impl("_grouped_mm", _grouped_mm_meta, "Meta", allow_override=True)  # torch <= 2.12: not the default
 
 
 def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):

@@ -222,7 +222,9 @@ def register() -> None:
         return
     _library = torch.library.Library("aten", "IMPL")
     for name, meta in _META.items():
-        _library.impl(name, meta, "Meta")
+        # Replaces torch's own Python meta for the LSTM cell: allow_override is
+        # the default from torch 2.13 on, torch <= 2.12 refuses without it.
+        _library.impl(name, meta, "Meta", allow_override=True)
     for name, kernel in _PRIVATEUSE1.items():
         _library.impl(name, kernel, "PrivateUse1")
     for name, (cubic, antialias) in _resample_uint8.OPS.items():
