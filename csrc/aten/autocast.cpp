@@ -15,13 +15,19 @@
 #include <ATen/ops/norm.h>
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
+#if __has_include(<ATen/core/Dimname.h>)  // named tensors: gone in torch 2.13
+#include <ATen/core/Dimname.h>
+#define TORCH_PJRT_HAS_DIMNAME 1
+#endif
 
 namespace torch_pjrt {
 namespace {
 
 // AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE spells these unqualified
 // (DimnameList: torch <= 2.11's list still has norm.names_ScalarOpt_dim).
+#ifdef TORCH_PJRT_HAS_DIMNAME
 using at::DimnameList;
+#endif
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
