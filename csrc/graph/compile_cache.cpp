@@ -119,9 +119,14 @@ int64_t process_memory_maps() {
 CompileCache::Limits CompileCache::limits_from_env() {
   Limits limits;
   limits.programs = positive_env("TORCH_PJRT_MAX_LOADED_PROGRAMS", limits.programs);
-  if (std::ifstream f("/proc/sys/vm/max_map_count"); f) {
-    int64_t max_map_count = 0;
-    if (f >> max_map_count && max_map_count > 1) limits.maps = max_map_count / 2;
+  // POSIX reads, no iostreams: this runs at every start, beside plugins that
+  // bring their own C++ runtimes.
+  if (int fd = ::open("/proc/sys/vm/max_map_count", O_RDONLY); fd >= 0) {
+    char text[32] = {};
+    ssize_t n = ::read(fd, text, sizeof(text) - 1);
+    ::close(fd);
+    int64_t max_map_count = n > 0 ? std::strtoll(text, nullptr, 10) : 0;
+    if (max_map_count > 1) limits.maps = max_map_count / 2;
   }
   limits.maps = positive_env("TORCH_PJRT_MAX_LOADED_MAPS", limits.maps);
   return limits;

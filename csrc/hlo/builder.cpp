@@ -2,7 +2,7 @@
 
 #include <cmath>
 #include <cstring>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 
 #include "pjrt/error.h"
@@ -55,9 +55,9 @@ uint64_t float_bits(double v, ElementType t) {
 }
 
 std::string float_literal(double v, ElementType t) {
-  std::ostringstream os;
-  os << "0x" << std::hex << std::uppercase << float_bits(v, t);
-  return os.str();
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%llX", static_cast<unsigned long long>(float_bits(v, t)));
+  return text;
 }
 
 std::string padding_attr(const Dims& low, const Dims& high) {
