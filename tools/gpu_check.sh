@@ -58,6 +58,7 @@ TESTS="test_device.py test_ops.py test_fused.py test_training.py test_nan_semant
 FILES=$(for f in $TESTS; do echo tests/python/$f; done)
 run_tests() {  # mode, seconds at most, seconds to keep for what follows
   local b=$(budget "$2" "$3") extra=""
+  if (( b < 60 )); then echo "== tests, $1 mode: skipped ($b s left)"; return; fi
   [ "$1" = fused ] || extra='-m "not modes_inside"'
   echo "== tests, $1 mode ($b s at most)"
   # Tests compile many small programs: skip XLA:GPU's GEMM autotuning there (results do not depend on it).

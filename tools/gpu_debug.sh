@@ -5,13 +5,25 @@ set -uo pipefail
 LOGS="${OUT:-./gpu_check_logs}"; mkdir -p "$LOGS"
 exec > >(tee "$LOGS/gpu_debug.log") 2>&1
 PY=$(command -v python3)
+echo "== toolchain: g++ is $(command -v g++) ($(g++ -dumpfullversion)); others: $(ls /usr/bin/g++* /usr/bin/c++ 2>/dev/null | tr '\n' ' ')"
+g++ -v 2>&1 | grep -o -- "--disable-shared\|--enable-shared" | head -1
+ls -la "$(command -v g++)" | cut -c1-200
+echo "libstdc++ of g++: $(g++ -print-file-name=libstdc++.so) $(g++ -print-file-name=libstdc++.a)"
+env | grep -E '^(CC|CXX|CXXFLAGS|LDFLAGS|LD_PRELOAD|LD_LIBRARY_PATH)=' | cut -c1-200
+# A g++ whose libstdc++ is static-only puts a second C++ runtime into _C.so
+# beside the one torch loads; prefer the system compiler when there is one.
+if [ -z "${CXX:-}" ]; then for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14 /usr/bin/c++; do
+  [ -x "$c" ] && export CXX=$c && break; done; fi
+echo "building with CXX=${CXX:-default}"
 echo "== libstdc++ ABI: compiler default $(echo '#include <string>' | ${CXX:-g++} -x c++ -dM -E - | grep -o '_GLIBCXX_USE_CXX11_ABI [01]'),"\
      "torch $($PY -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$PY" \
+rm -rf build-gpu; cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$PY" \
   -DPJRT_INCLUDE_DIR="$PWD/.pjrt_include" -DTORCH_PJRT_BUILD_TESTS=OFF > "$LOGS/cmake.log" 2>&1 || { tail -30 "$LOGS/cmake.log"; exit 1; }
 start=$SECONDS
 ninja -C build-gpu -j16 > "$LOGS/build.log" 2>&1 || { grep -E "error" -A3 "$LOGS/build.log" | head -60; exit 1; }
 echo "built in $((SECONDS - start)) s; $(grep 'torch_pjrt:' "$LOGS/cmake.log")"
+echo "libstdc++ inside _C.so (static copy): $(nm -C --defined-only python/torch_pjrt/_C.so | grep -c 'codecvt<char16_t') symbols;"\
+     "linked: $(ldd python/torch_pjrt/_C.so | grep -o 'libstdc++[^ ]* => [^ ]*')"
 export PYTHONPATH=python TORCH_PJRT_PLUGIN=${GPU_CHECK_PLUGIN:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
 cat > /tmp/smoke.py <<'PYEOF'
 import sys, torch
