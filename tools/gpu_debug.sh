@@ -10,10 +10,11 @@ g++ -v 2>&1 | grep -o -- "--disable-shared\|--enable-shared" | head -1
 ls -la "$(command -v g++)" | cut -c1-200
 echo "libstdc++ of g++: $(g++ -print-file-name=libstdc++.so) $(g++ -print-file-name=libstdc++.a)"
 env | grep -E '^(CC|CXX|CXXFLAGS|LDFLAGS|LD_PRELOAD|LD_LIBRARY_PATH)=' | cut -c1-200
-# A g++ whose libstdc++ is static-only puts a second C++ runtime into _C.so
-# beside the one torch loads; prefer the system compiler when there is one.
-if [ -z "${CXX:-}" ]; then for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14 /usr/bin/c++; do
-  [ -x "$c" ] && export CXX=$c && break; done; fi
+# The image sets CXX=/opt/gcc/bin/g++, whose _C.so carries libstdc++ locale
+# code of its own (a static part beside libstdc++.so.6): its first iostream use
+# after the CUDA plugin loads segfaulted (c10::str in an op's description).
+# The system compiler links the one shared libstdc++ that torch uses.
+for c in /usr/bin/g++ /usr/bin/g++-13; do [ -x "$c" ] && export CXX=$c CC=${c/g++/gcc} && break; done
 echo "building with CXX=${CXX:-default}"
 echo "== libstdc++ ABI: compiler default $(echo '#include <string>' | ${CXX:-g++} -x c++ -dM -E - | grep -o '_GLIBCXX_USE_CXX11_ABI [01]'),"\
      "torch $($PY -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
@@ -48,7 +49,7 @@ with torch_pjrt.mode("fused"):
 print("fused diff", (got - (a @ b).relu().sum(0)).abs().max().item(), flush=True)
 PYEOF
 first_crash=""
-for step in import platform copy all; do
+for step in ${GPU_DEBUG_STEPS:-import platform copy all}; do
   echo "== step $step"
   timeout 120 $PY -X faulthandler /tmp/smoke.py $step; rc=$?
   echo "rc $rc"
