@@ -157,7 +157,11 @@ void register_dist_backend_bindings(py::module& m) {
       .def_property_readonly("options", [](PythonBridgeBackend& self) {
         py::gil_scoped_acquire gil;
         return self.options();
-      });
+      })
+      // new_group on a rank outside the new group, once init_process_group had a device_id: torch calls this
+      // on the default group's backend (NCCL's ncclCommSplit needs every rank). tpu_dist's groups need nothing
+      // from non-members. torch <= 2.12's DeviceMesh takes this path (split_group only when CUDA is available).
+      .def("perform_nocolor_split", [](PythonBridgeBackend&, const py::object&) {});
   m.def("_make_dist_backend", [](int rank, int size, py::object impl) {
     return c10::make_intrusive<PythonBridgeBackend>(rank, size, std::move(impl));
   });
