@@ -79,8 +79,13 @@ void dump_program(const std::string& program) {
 // those became dynamic_update_slice) now costs 1.4x run time on a GPT step and
 // compiles slower too. Other plugins keep their defaults.
 // TORCH_PJRT_XLA_TUNING=0 turns this off.
+//
+// Every plugin: no excess precision. PyTorch rounds each op's result to its
+// dtype; XLA by default may keep an f16/bf16 intermediate in f32 when a convert
+// follows (on the GPU, f16 `mul` then out=f32 skipped the f16 rounding).
 pjrt::CompileOptions CompileCache::options(Effort effort) const {
   pjrt::CompileOptions options;
+  options.overrides.emplace_back("xla_allow_excess_precision", false);
   static const bool tuning = [] {
     const char* env = std::getenv("TORCH_PJRT_XLA_TUNING");
     return !env || std::string(env) != "0";

@@ -143,7 +143,9 @@ def test_pallas_tiled_matmul_interpret_mode():
     block = 8
 
     def kernel(a_ref, b_ref, o_ref):
-        o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+        # HIGHEST: JAX's default float32 dot on a GPU is TF32, not what a@b on the CPU computes
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32,
+                             precision=jax.lax.Precision.HIGHEST)
 
     def matmul(a, b):
         m, n = a.shape[0], b.shape[1]

@@ -35,8 +35,10 @@ SCRIPT = textwrap.dedent("""
                     out["conv"] = F.conv2d(image.to("tpu"), weight.to("tpu")).cpu()
                 got = precisions(run)
                 assert got == expected, (mode, setting, got)
-                torch.testing.assert_close(out["mm"], a @ b)
-                torch.testing.assert_close(out["conv"], F.conv2d(image, weight))
+                # "highest" is float32's own tolerance; the others allow TF32 / bf16 passes on a GPU
+                tol = {} if setting == "highest" else dict(rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(out["mm"], a @ b, **tol)
+                torch.testing.assert_close(out["conv"], F.conv2d(image, weight), **tol)
             torch.set_float32_matmul_precision("highest")
             # float64 and bfloat16 dots carry no float32 precision
             assert precisions(lambda: (a.double().to("tpu") @ b.double().to("tpu")).cpu()) == []
