@@ -46,8 +46,14 @@ def decompositions() -> dict:
     """Core ATen decompositions for the ops our lowerings lack (lowered ops stay whole)."""
     from torch._decomp import core_aten_decompositions
 
+    from torch._decomp import get_decompositions
+
     lowered = set(_C._lowered_ops())
-    return {op: fn for op, fn in core_aten_decompositions().items()
+    table = dict(core_aten_decompositions())
+    # In torch 2.13's core set, not in older ones (2.11 left aten::take to the CPU).
+    table.update({op: fn for op, fn in get_decompositions([torch.ops.aten.take, torch.ops.aten.take_along_dim]).items()
+                  if op not in table})
+    return {op: fn for op, fn in table.items()
             if isinstance(op, torch._ops.OpOverload) and _base_name(op) not in lowered}
 
 
