@@ -15,7 +15,9 @@ on the GPU (PyTorch CUDA: full float32; XLA:GPU: its default), printed below.
 
     TORCH_PJRT_PLUGIN=cuda PYTHONPATH=python python benchmarks/bench_gpu.py [--quick]
 """
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -25,17 +27,58 @@ import torch_pjrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_compile_backend import compiled_stepper, eager_stepper  # noqa: E402
-from bench_fused import GPT, gpt_setup  # noqa: E402
+from bench_fused import gpt_setup  # noqa: E402
+from gpt_model import gpt2_small_setup  # noqa: E402
 
 median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
 # The reference column: PyTorch on the GPU (on a machine without one, its CPU, to try the script).
+# It runs in its own process, which never imports torch_pjrt: once a PrivateUse1
+# backend is registered, PyTorch takes it as the process's accelerator, and the
+# autograd engine's stream bookkeeping for CUDA tensors fails (torch 2.11:
+# "opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED").
 REF = "cuda" if torch.cuda.is_available() else "cpu"
 
+REFERENCE = """
+import json, sys, time
+import torch, torch.nn.functional as F
+sys.path.insert(0, {bench_dir!r})
+import gpt_model
+setup, steps, device = getattr(gpt_model, {setup!r}), {steps}, {device!r}
+torch.manual_seed(0)
+model, x, y = setup(device)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def step():
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    return loss.item()
+step(); step()
+times = []
+for _ in range(steps):
+    start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
+a = torch.randn(4, 4, device=device)
+per_op = []
+for _ in range(5):
+    start = time.perf_counter()
+    b = a
+    for _ in range(500):
+        b = b + 1.0
+    per_op.append((time.perf_counter() - start) / 500 * 1e6)
+    b.cpu()
+print(json.dumps(dict(step=sorted(times)[len(times) // 2], per_op_us=sorted(per_op)[2])))
+"""
 
-def gpt2_small_setup(device):
-    model = GPT(vocab=8192, width=768, layers=12, heads=12, seq=512).to(device)
-    idx = torch.randint(0, 8192, (8, 512))
-    return model, idx.to(device), idx.roll(-1, 1).to(device)
+
+def reference(setup_name, steps):
+    """(median step seconds, us per tiny op) of PyTorch's own REF device, in a process without torch_pjrt."""
+    code = REFERENCE.format(bench_dir=os.path.dirname(os.path.abspath(__file__)), setup=setup_name, steps=steps,
+                            device=REF)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {REF} reference process failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["step"], result["per_op_us"]
 
 
 def timed(label, make):
@@ -52,7 +95,7 @@ def warm(step, n=2):
 
 
 def side_by_side(setup, steps, with_strict):
-    steppers = {REF + " eager": timed(REF + " eager", lambda: warm(eager_stepper(setup, REF, "strict")))}
+    steppers = {}
     modes = ("strict", "fused") if with_strict else ("fused",)
     for mode in modes:
         steppers["tpu " + mode] = timed("tpu " + mode, lambda: warm(eager_stepper(setup, "tpu", mode)))
@@ -76,6 +119,7 @@ def side_by_side(setup, steps, with_strict):
             step()
             times[name].append(time.perf_counter() - start)
     times = {name: median(t) for name, t in times.items()}
+    times = {REF + " eager": reference(setup.__name__, steps)[0], **times}  # its own process, see REFERENCE
     ref = times[REF + " eager"]
     for name, t in times.items():
         print(f"{name:20s} {t * 1e3:9.2f} ms/step  {ref / t:5.2f}x {REF} eager")
@@ -85,6 +129,7 @@ def side_by_side(setup, steps, with_strict):
 
 
 def per_op_cost(device, n=500):
+    """Host microseconds per recorded op (the graph runs outside the clock)."""
     def loop(a):
         start = time.perf_counter()
         b = a
@@ -108,7 +153,7 @@ def main():
           torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA torch")
     print("matmul precision: PyTorch float32", torch.get_float32_matmul_precision(),
           "| XLA:GPU default (TF32 allowed)")
-    fused_us, cuda_us = per_op_cost("tpu"), per_op_cost(REF)
+    fused_us, cuda_us = per_op_cost("tpu"), reference("gpt_small_batch_setup", 3)[1]
     print(f"\n== host cost per op (4x4 add, 500 ops): fused recording {fused_us:.1f} us, "
           f"PyTorch {REF} eager {cuda_us:.1f} us: {fused_us / cuda_us:.2f}x ==")
     sizes = [("GPT 4x256, batch 4, seq 128", gpt_setup, 15, True)]
