@@ -27,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
-from ._plugins import find_plugin, platform_of
+from ._plugins import find_plugin, platform_of, prepare_environment
 from . import device_module
 from . import _decompositions
 from . import _data_dependent
@@ -42,6 +42,7 @@ MODES = ("debug", "strict", "fused", "lazy")
 
 def _register() -> None:
     plugin = os.environ.get("TORCH_PJRT_PLUGIN", "cpu")
+    prepare_environment(platform_of(plugin))
     _C._configure_plugin(find_plugin(plugin), platform_of(plugin))
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)

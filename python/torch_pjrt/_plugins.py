@@ -61,3 +61,18 @@ def platform_of(name_or_path: str) -> str:
         if any(h in base for h in hints):
             return platform
     return ""
+
+
+def prepare_environment(platform: str) -> None:
+    """Process environment a plugin reads when it starts (before the client exists).
+
+    cuda: float32 division correctly rounded, as PyTorch's CUDA kernels divide
+    (XLA:GPU's default `div.full` is off by an ulp: 6/7 gave 0.85714293, the CPU
+    0.85714287). XLA reads XLA_FLAGS once, for every client in the process (JAX's
+    too). TORCH_PJRT_GPU_IEEE_DIV=0 keeps XLA's default.
+    """
+    if platform != "cuda" or os.environ.get("TORCH_PJRT_GPU_IEEE_DIV", "1") == "0":
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "nvptx-prec-divf32" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_extra_options=-nvptx-prec-divf32=2").strip()

@@ -191,3 +191,24 @@ def test_broken_plugin_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "bogus.so" in r.stdout
+
+
+def test_plugin_platform_and_start_environment(monkeypatch):
+    """The platform a TORCH_PJRT_PLUGIN value names picks the client's create options
+    (plugins reject unknown ones) and the environment the plugin starts with."""
+    from torch_pjrt._plugins import platform_of, prepare_environment
+
+    assert [platform_of(p) for p in ("cpu", "cuda", "tpu")] == ["cpu", "cuda", "tpu"]
+    assert platform_of("/env/jax_plugins/xla_cuda13/xla_cuda_plugin.so") == "cuda"
+    assert platform_of("/env/libtpu/libtpu.so") == "tpu"
+    assert platform_of("/opt/my_plugin.so") == ""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    prepare_environment("cpu")
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    prepare_environment("cuda")  # IEEE float32 division on the GPU, kept beside the user's flags, added once
+    prepare_environment("cuda")
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_backend_extra_options=-nvptx-prec-divf32=2"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("TORCH_PJRT_GPU_IEEE_DIV", "0")
+    prepare_environment("cuda")
+    assert os.environ["XLA_FLAGS"] == ""
