@@ -37,7 +37,6 @@
 #include <exception>
 
 #include "aten/exit_gate.h"
-#include "pjrt/buffer.h"
 
 namespace torch_pjrt {
 namespace {
@@ -86,7 +85,6 @@ void begin_interpreter_exit() {
   // Bounded, yet long enough for a compile in flight: a thread still inside
   // our code when exit() destroys static objects could crash.
   close_device_at_exit(&python_thread_without_gil, /*wait_ms=*/30000);
-  pjrt::destroy_buffers_inline();
   Py_END_ALLOW_THREADS
 }
 

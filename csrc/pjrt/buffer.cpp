@@ -1,11 +1,5 @@
 #include "pjrt/buffer.h"
 
-#include <atomic>
-#include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
-
 #include "pjrt/error.h"
 
 namespace torch_pjrt::pjrt {
@@ -32,69 +26,7 @@ ElementType from_pjrt(PJRT_Buffer_Type t) {
   }
 }
 
-// PJRT_Buffer_Destroy waits while a program still computes the buffer (the
-// CPU client blocks until its definition event is ready). A host dropping an
-// intermediate result of a program it just enqueued, as strict mode and
-// compiled replays do every step, would wait for that program and never run
-// ahead. So buffers are destroyed on one background thread, in order.
-class Reaper {
- public:
-  void destroy(const PJRT_Api* api, PJRT_Buffer* buffer) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!started_) {
-      std::thread([this] { run(); }).detach();  // lives as long as the process: buffers die until exit
-      started_ = true;
-    }
-    queue_.emplace_back(api, buffer);
-    if (queue_.size() == 1) wake_.notify_one();
-  }
-  void drain() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    drained_.wait(lock, [this] { return queue_.empty() && !busy_; });
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      wake_.wait(lock, [this] { return !queue_.empty(); });
-      auto batch = std::move(queue_);
-      queue_.clear();
-      busy_ = true;
-      lock.unlock();
-      for (auto& [api, buffer] : batch) {
-        auto args = PJRT_ARGS(PJRT_Buffer_Destroy_Args);
-        args.buffer = buffer;
-        api->PJRT_Buffer_Destroy(&args);
-      }
-      lock.lock();
-      busy_ = false;
-      if (queue_.empty()) drained_.notify_all();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable wake_, drained_;
-  std::deque<std::pair<const PJRT_Api*, PJRT_Buffer*>> queue_;
-  bool started_ = false, busy_ = false;
-};
-
-Reaper& reaper() {
-  static Reaper& r = *new Reaper();  // never destroyed: its thread may outlive static destructors
-  return r;
-}
-
 }  // namespace
-
-std::atomic<bool> g_destroy_inline{false};
-
-void drain_buffer_destruction() {
-  if (!in_forked_child()) reaper().drain();
-}
-
-void destroy_buffers_inline() {
-  g_destroy_inline = true;
-  drain_buffer_destruction();
-}
 
 Event::~Event() {
   if (in_forked_child()) return;
@@ -159,10 +91,6 @@ Buffer::Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer) : plugin_(st
 
 Buffer::~Buffer() {
   if (in_forked_child()) return;
-  if (!g_destroy_inline.load(std::memory_order_relaxed)) {
-    reaper().destroy(plugin_->api(), buffer_);
-    return;
-  }
   auto args = PJRT_ARGS(PJRT_Buffer_Destroy_Args);
   args.buffer = buffer_;
   plugin_->api()->PJRT_Buffer_Destroy(&args);

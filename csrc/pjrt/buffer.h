@@ -41,11 +41,4 @@ class Buffer {
 
 using BufferPtr = std::shared_ptr<Buffer>;
 
-// Buffers are destroyed on a background thread (buffer.cpp); this waits until
-// every buffer released so far is gone (before a client is destroyed).
-void drain_buffer_destruction();
-// From now on the releasing thread destroys buffers itself (process exit: the
-// background thread must not run into static destructors).
-void destroy_buffers_inline();
-
 }  // namespace torch_pjrt::pjrt

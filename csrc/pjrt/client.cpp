@@ -53,7 +53,6 @@ Client::Client(std::shared_ptr<Plugin> plugin, PJRT_Client* client) : plugin_(st
 
 Client::~Client() {
   if (in_forked_child()) return;
-  drain_buffer_destruction();
   auto args = PJRT_ARGS(PJRT_Client_Destroy_Args);
   args.client = client_;
   plugin_->api()->PJRT_Client_Destroy(&args);
