@@ -124,8 +124,8 @@ int64_t process_memory_maps() {
 CompileCache::Limits CompileCache::limits_from_env() {
   Limits limits;
   limits.programs = positive_env("TORCH_PJRT_MAX_LOADED_PROGRAMS", limits.programs);
-  // POSIX reads, no iostreams: this runs at every start, beside plugins that
-  // bring their own C++ runtimes.
+  // A POSIX read: the first stream use at start-up is where a _C.so built by a
+  // g++ carrying its own libstdc++ locale code crashed (docs/design/gpu.md).
   if (int fd = ::open("/proc/sys/vm/max_map_count", O_RDONLY); fd >= 0) {
     char text[32] = {};
     ssize_t n = ::read(fd, text, sizeof(text) - 1);

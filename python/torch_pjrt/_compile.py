@@ -44,9 +44,7 @@ def _base_name(op) -> str:
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     """Core ATen decompositions for the ops our lowerings lack (lowered ops stay whole)."""
-    from torch._decomp import core_aten_decompositions
-
-    from torch._decomp import get_decompositions
+    from torch._decomp import core_aten_decompositions, get_decompositions
 
     lowered = set(_C._lowered_ops())
     table = dict(core_aten_decompositions())
