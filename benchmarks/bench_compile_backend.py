@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch_pjrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused import GPT, gpt_setup, gpt_small_batch_setup, step_time  # noqa: E402
+from bench_fused import GPT, gpt_setup, gpt_small_batch_setup, step_time, training_step  # noqa: E402
 
 median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731 - a 2-core machine has noisy neighbours
 
@@ -109,17 +109,11 @@ def compiled_step_time(setup, steps):
 def eager_stepper(setup, device, mode):
     """A training step of the model in this mode (PyTorch's own CPU eager for device "cpu")."""
     with torch_pjrt.mode(mode):
-        torch.manual_seed(0)
-        model, x, y = setup(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inner = training_step(setup, device)
 
     def step():
         with torch_pjrt.mode(mode):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-            loss.backward()
-            opt.step()
-            return loss.item()
+            return inner()
 
     return step
 
@@ -154,6 +148,18 @@ def compiled_stepper(setup):
     return step, after["executions"] - before["executions"], after["compiled_replays"] - before["compiled_replays"]
 
 
+def round_robin(steppers, steps):
+    """Median seconds per call of each stepper, called one after another `steps` times, so that
+    load from other processes hits every column alike."""
+    times = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: median(t) for name, t in times.items()}
+
+
 def interleaved_step_times(setup, steps):
     """Median step time per way of running the step, measured round-robin (one step of each in
     turn), so that load from other processes hits every column alike."""
@@ -176,13 +182,7 @@ def interleaved_step_times(setup, steps):
     for step in steppers.values():  # compile / warm up
         step()
         step()
-    times = {name: [] for name in steppers}
-    for _ in range(steps):
-        for name, step in steppers.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: median(t) for name, t in times.items()}, programs, replays
+    return round_robin(steppers, steps), programs, replays
 
 
 def tiny_gpt_setup(device):

@@ -26,22 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The models live in gpt_model.py (no torch_pjrt import: bench_gpu.py's CUDA
 # reference process uses them); re-exported here for the other benchmarks.
-from gpt_model import GPT, Block, gpt_setup, gpt_small_batch_setup, mlp_setup  # noqa: E402,F401
+from gpt_model import GPT, Block, gpt_setup, gpt_small_batch_setup, mlp_setup, training_step  # noqa: E402,F401
 
 
 def step_time(setup, device, mode, steps):
     with torch_pjrt.mode(mode):
-        torch.manual_seed(0)
-        model, x, y = setup(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-            loss.backward()
-            opt.step()
-            return loss.item()
-
+        step = training_step(setup, device)
         for _ in range(2):  # compile
             step()
         times = []  # the median step: a 2-core machine has noisy neighbours

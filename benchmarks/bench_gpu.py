@@ -26,7 +26,7 @@ import torch
 import torch_pjrt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_compile_backend import compiled_stepper, eager_stepper  # noqa: E402
+from bench_compile_backend import compiled_stepper, eager_stepper, round_robin  # noqa: E402
 from bench_fused import gpt_setup  # noqa: E402
 from gpt_model import gpt2_small_setup  # noqa: E402
 
@@ -40,19 +40,11 @@ REF = "cuda" if torch.cuda.is_available() else "cpu"
 
 REFERENCE = """
 import json, sys, time
-import torch, torch.nn.functional as F
+import torch
 sys.path.insert(0, {bench_dir!r})
 import gpt_model
-setup, steps, device = getattr(gpt_model, {setup!r}), {steps}, {device!r}
-torch.manual_seed(0)
-model, x, y = setup(device)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-def step():
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-    loss.backward()
-    opt.step()
-    return loss.item()
+steps, device = {steps}, {device!r}
+step = gpt_model.training_step(getattr(gpt_model, {setup!r}), device)
 step(); step()
 times = []
 for _ in range(steps):
@@ -112,13 +104,7 @@ def side_by_side(setup, steps, with_strict):
         steppers[f"jax.jit ({jax.default_backend()})"] = trainer.step
     except Exception as e:  # noqa: BLE001 - jax is optional here
         print(f"  (jax.jit column skipped: {type(e).__name__}: {e})")
-    times = {name: [] for name in steppers}
-    for _ in range(steps):
-        for name, step in steppers.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    times = {name: median(t) for name, t in times.items()}
+    times = round_robin(steppers, steps)
     times = {REF + " eager": reference(setup.__name__, steps)[0], **times}  # its own process, see REFERENCE
     ref = times[REF + " eager"]
     for name, t in times.items():

@@ -4,6 +4,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Block(nn.Module):
@@ -63,3 +64,20 @@ def gpt2_small_setup(device):
     model = GPT(vocab=8192, width=768, layers=12, heads=12, seq=512).to(device)
     idx = torch.randint(0, 8192, (8, 512))
     return model, idx.to(device), idx.roll(-1, 1).to(device)
+
+
+def training_step(setup, device):
+    """A function running one training step (forward, cross-entropy, backward, AdamW) of the
+    model `setup` builds on `device`, seeded alike everywhere; it returns the loss."""
+    torch.manual_seed(0)
+    model, x, y = setup(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
