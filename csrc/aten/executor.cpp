@@ -11,6 +11,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -452,25 +453,40 @@ class CallContext final : public lowering::Context {
   // program); any other is a runtime s64 operand, as Scalars are, so a loop
   // over slices of one tensor reuses one program (the signature records
   // only "zero or not"). One operand per tensor argument, read or written.
+  //
+  // A strided view of a capacity storage (`ids[:, -1:]` of a batch of growing
+  // sequences) takes its strides at runtime too: they grow with the sequence,
+  // and the program, read with a gather, stays the same.
   graph::StridedView view_of(const at::Tensor& t, int arg, int item) {
     graph::StridedView view{element_or_throw(t.scalar_type()), lowering::Dims(t.sizes().begin(), t.sizes().end()),
                             lowering::Dims(t.strides().begin(), t.strides().end()), 0};
-    if (t.storage_offset() == 0) return view;
-    auto key = std::make_pair(arg, item);
-    auto it = offsets_.find(key);
-    if (it == offsets_.end())
-      it = offsets_.emplace(key, operand_param(lowering::TensorType{ElementType::S64, {}},
-                                               OperandRef{OperandRef::Offset, arg, item, ElementType::S64}))
-               .first;
-    view.runtime_offset = it->second;
+    if (t.storage_offset() != 0) view.runtime_offset = runtime_int(OperandRef{OperandRef::Offset, arg, item, ElementType::S64});
+    if (storage_state(t.storage()).capacity > 0 && !view.is_dense_row_major()) {
+      view.runtime_strides.resize(view.sizes.size());
+      for (size_t d = 0; d < view.sizes.size(); ++d) {
+        OperandRef ref{OperandRef::Stride, arg, item, ElementType::S64};
+        ref.dim = static_cast<int>(d);
+        if (view.sizes[d] != 1) view.runtime_strides[d] = runtime_int(ref);
+      }
+    }
     return view;
+  }
+  // An s64[] operand from a tensor argument's metadata, once per (kind, argument, item, dim).
+  Value runtime_int(const OperandRef& ref) {
+    auto key = std::make_tuple(static_cast<int>(ref.kind), ref.arg, ref.item, ref.dim);
+    auto it = runtime_ints_.find(key);
+    if (it == runtime_ints_.end())
+      it = runtime_ints_.emplace(key, operand_param(lowering::TensorType{ElementType::S64, {}}, ref)).first;
+    return it->second;
   }
   int64_t storage_count(const at::Tensor& t) const {
     return static_cast<int64_t>(keyed_extent(storage_state(t.storage())) / t.element_size());
   }
 
   int64_t flat_capacity() const override { return flat_cat_capacity(call_); }
+  int64_t flat_rows() const override { return flat_cat_rows(call_); }
   std::vector<FlatPiece> flat_pieces(std::string_view name) override {
+    const bool rows = flat_rows() > 1;
     int i = index(name);
     std::vector<FlatPiece> pieces;
     auto list = call_.args[i].toTensorList();
@@ -484,11 +500,10 @@ class CallContext final : public lowering::Context {
         Value padded = b.pad(data, b.constant(0, data.element()), {0}, {count}, {0});
         data = b.dynamic_slice(padded, {*view.runtime_offset}, {count});
       }
-      std::optional<Value> start;
-      if (k > 0)
-        start = operand_param(lowering::TensorType{ElementType::S64, {}},
-                              OperandRef{OperandRef::Position, i, item, ElementType::S64});
-      pieces.push_back(FlatPiece{data, start});
+      std::optional<Value> start, length;
+      if (k > 0 && !rows) start = runtime_int(OperandRef{OperandRef::Position, i, item, ElementType::S64});
+      if (rows) length = runtime_int(OperandRef{OperandRef::Length, i, item, ElementType::S64});
+      pieces.push_back(FlatPiece{data, start, length});
     }
     return pieces;
   }
@@ -620,7 +635,7 @@ class CallContext final : public lowering::Context {
   GraphValues* graph_;
   std::unordered_map<const StorageState*, Value> storage_params_;
   std::map<std::pair<int, int>, Value> values_;
-  std::map<std::pair<int, int>, Value> offsets_;  // runtime storage offsets, per (argument, item)
+  std::map<std::tuple<int, int, int, int>, Value> runtime_ints_;  // offsets, strides, lengths (runtime_int)
 };
 
 // ---- building and running ---------------------------------------------------
@@ -1283,6 +1298,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     kb.shapeless = true;
     kb.key += "flat";
     kb.num(flat_capacity);
+    kb.num(flat_cat_rows(call));  // sizes stay out of the key, the lowering depends on the row count
   }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
@@ -1545,6 +1561,10 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
       return scalar_buffer(call.args[ref.arg].toScalar(), ref.element, call.device);
     case OperandRef::Offset:
       return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).storage_offset(), ElementType::S64, call.device);
+    case OperandRef::Stride:
+      return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).stride(ref.dim), ElementType::S64, call.device);
+    case OperandRef::Length:
+      return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).numel(), ElementType::S64, call.device);
     case OperandRef::Position: {
       int64_t start = 0;
       for (int k = 0; k < ref.item; ++k) start += item_tensor(call.args[ref.arg], k).numel();
@@ -1569,28 +1589,57 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
 // GPT-2's position_ids): with sizes in the key every step would compile anew.
 // A flat cat keys by its pieces' storage extents and its result's capacity
 // (the next power of two, at least kMinFlatCapacity elements); its result is a
-// capacity storage, and slices of it ([:, -1:]) take runtime offsets, so a
-// sequence growing inside one bucket reuses every program.
+// capacity storage, and slices of it ([:, -1:]) take runtime offsets (and, for
+// several rows, runtime strides), so a sequence growing inside one bucket
+// reuses every program.
+//
+// Several rows (a batch of sequences each growing by a column: input_ids,
+// attention_mask) cost a gather and a scatter instead of XLA's concatenate,
+// so only small integer or bool tensors (the bookkeeping generation grows per
+// token) take that path; activations (a rotary embedding's halves) keep the
+// concatenate and exact-size buffers.
 constexpr int64_t kMinFlatCapacity = 64;
+constexpr int64_t kMaxRowCatElements = int64_t{1} << 16;
 
-int64_t flat_cat_capacity(const Call& call) {
-  if (op_name(call.schema) != "aten::cat" || !call.args[0].isTensorList()) return 0;
+namespace {
+// The cat's pieces when they qualify (see flat_cat_capacity), with its dim.
+std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const Call& call) {
+  if (op_name(call.schema) != "aten::cat" || !call.args[0].isTensorList()) return std::nullopt;
   auto list = call.args[0].toTensorList();
-  if (list.size() < 2) return 0;
+  if (list.size() < 2) return std::nullopt;
   at::Tensor first = list.get(0);
-  if (!first.defined() || first.dim() == 0) return 0;
+  if (!first.defined() || first.dim() == 0) return std::nullopt;
   int64_t dim = call.args[1].toInt();
-  if (dim < -first.dim() || dim >= first.dim()) return 0;  // the meta kernel's error
+  if (dim < -first.dim() || dim >= first.dim()) return std::nullopt;  // the meta kernel's error
   dim = dim < 0 ? dim + first.dim() : dim;
-  int64_t total = 0;
   for (const at::Tensor& t : list) {
     if (!t.defined() || t.device() != first.device() || t.device().type() != kTpu ||
         t.scalar_type() != first.scalar_type() || t.dim() != first.dim() || t.numel() == 0 || !t.is_contiguous() ||
         t.is_conj() || t.is_neg() || !element_of(t.scalar_type()))
-      return 0;
+      return std::nullopt;
     for (int64_t d = 0; d < t.dim(); ++d)
-      if ((d < dim && t.size(d) != 1) || (d > dim && t.size(d) != first.size(d))) return 0;
-    total += t.numel();
+      if (d != dim && t.size(d) != first.size(d)) return std::nullopt;
+  }
+  return std::make_pair(list, dim);
+}
+}  // namespace
+
+int64_t flat_cat_rows(const Call& call) {
+  auto pieces = flat_cat_pieces(call);
+  if (!pieces) return 0;
+  int64_t rows = 1;
+  for (int64_t d = 0; d < pieces->second; ++d) rows *= pieces->first.get(0).size(d);
+  return rows;
+}
+
+int64_t flat_cat_capacity(const Call& call) {
+  auto pieces = flat_cat_pieces(call);
+  if (!pieces) return 0;
+  int64_t total = 0;
+  for (const at::Tensor& t : pieces->first) total += t.numel();
+  if (flat_cat_rows(call) > 1) {
+    at::ScalarType dtype = pieces->first.get(0).scalar_type();
+    if (at::isFloatingType(dtype) || at::isComplexType(dtype) || total > kMaxRowCatElements) return 0;
   }
   int64_t capacity = kMinFlatCapacity;
   while (capacity < total) capacity *= 2;

@@ -23,6 +23,7 @@
 #include <optional>
 #include <stdexcept>
 #include <mutex>
+#include <tuple>
 
 #include "aten/device_context.h"
 #include "aten/executor.h"
@@ -64,6 +65,11 @@ struct PendingGraph {
   // from an explicit generator.
   std::vector<int64_t> operand_rng_count;
   std::unordered_map<const pjrt::Buffer*, int> operand_of_buffer;  // non-storage operands, each buffer once
+  // A tensor's runtime offset, stride or flat cat position/length: once per
+  // (value, kind, storage). Two storages' offsets that happen to be equal at
+  // one step and not the next (a growing sequence's and a rotary table's)
+  // must not change the program's parameters.
+  std::map<std::tuple<const pjrt::Buffer*, int, const StorageState*>, int> operand_of_metadata;
   std::vector<c10::Storage> storages;     // every storage touched, alive until the graph runs
   std::unordered_map<const StorageState*, int> ids;
   std::vector<char> written, has_value;
@@ -190,7 +196,21 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   for (const OperandRef& ref : cached->operands) {
     if (ref.kind != OperandRef::Storage) {
       pjrt::BufferPtr buffer = operand_buffer(call, ref);
-      auto [it, fresh] = g.operand_of_buffer.emplace(buffer.get(), static_cast<int>(g.operands.size()));
+      const int next = static_cast<int>(g.operands.size());
+      const bool metadata = ref.kind == OperandRef::Offset || ref.kind == OperandRef::Stride ||
+                            ref.kind == OperandRef::Position || ref.kind == OperandRef::Length;
+      int id = next;
+      bool fresh = true;
+      if (metadata) {
+        const StorageState* owner = &storage_state(item_tensor(call.args[ref.arg], ref.item).storage());
+        auto found = g.operand_of_metadata.emplace(std::make_tuple(buffer.get(), static_cast<int>(ref.kind), owner), next);
+        id = found.first->second;
+        fresh = found.second;
+      } else {
+        auto found = g.operand_of_buffer.emplace(buffer.get(), next);
+        id = found.first->second;
+        fresh = found.second;
+      }
       if (fresh) {
         g.operands.push_back(std::move(buffer));
         g.operand_storage.push_back(-1);
@@ -202,9 +222,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
                            !(ref.arg >= 0 && call.args[ref.arg].isGenerator() && call.args[ref.arg].toGenerator().defined());
         g.operand_rng_count.push_back(default_rng ? static_cast<int64_t>(ref.count) : -1);
       }
-      operand_ids.push_back(it->second);
+      operand_ids.push_back(id);
       operand_key += 'p';
-      append_number(operand_key, it->second);
+      append_number(operand_key, id);
       operand_key += ',';
       continue;
     }
@@ -444,6 +464,7 @@ void clear_graph(PendingGraph& g) {
   g.operand_kind.clear();
   g.operand_rng_count.clear();
   g.operand_of_buffer.clear();
+  g.operand_of_metadata.clear();
   g.storages.clear();
   g.ids.clear();
   g.written.clear();
@@ -802,9 +823,11 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       plan->operand_const.emplace_back();
       plan->operand_rng.push_back(g.operand_rng_count[k]);
     } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset ||
-               g.operand_kind[k] == OperandRef::Position) {
-      // Cached per value: the same buffer every call. A storage offset inside
-      // the graph follows from the inputs' metadata, which replay checks.
+               g.operand_kind[k] == OperandRef::Stride || g.operand_kind[k] == OperandRef::Position ||
+               g.operand_kind[k] == OperandRef::Length) {
+      // Cached per value: the same buffer every call. A storage offset (a stride,
+      // a flat cat's positions) inside the graph follows from the inputs'
+      // metadata, which replay checks.
       plan->operand_input.push_back(-1);
       plan->operand_const.push_back(g.operands[k]);
       plan->operand_rng.push_back(-1);

@@ -73,15 +73,18 @@ class Context {
   virtual Value rng_state(int64_t count) = 0;
 
   // A flat cat (executor.cpp, flat_cat_capacity): elements of its result's
-  // buffer (0: not one), and per piece its whole storage read flat from the
-  // piece's start (values past the piece are whatever the storage holds) with
-  // its start in the result as a runtime s64[] (none for the first piece).
+  // buffer (0: not one), its row count, and per piece its whole storage read
+  // flat from the piece's start (values past the piece are whatever the
+  // storage holds) with, for one row, its start in the result as a runtime
+  // s64[] (none for the first piece), for several rows its element count.
   // Sizes stay out of the program, so a growing sequence reuses it.
   struct FlatPiece {
     Value data;
     std::optional<Value> position;
+    std::optional<Value> length;
   };
   virtual int64_t flat_capacity() const { return 0; }
+  virtual int64_t flat_rows() const { return 1; }
   virtual std::vector<FlatPiece> flat_pieces(std::string_view name) { return {}; }
 
   // Declares a runtime check (see RuntimeCheck); the executor reports the

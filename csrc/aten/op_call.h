@@ -27,12 +27,15 @@ constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
 // Where an operand of a cached program comes from, replayed on every call.
 struct OperandRef {
   // Offset: a tensor argument's nonzero storage offset, an s64[] like a Scalar.
+  // Stride: its stride in dim `dim` (a strided view of a capacity storage).
   // Position: where item `item` of a flat cat's Tensor[] starts in its result (s64[]).
-  enum Kind { Storage, Host, Scalar, Rng, Offset, Position } kind;
+  // Length: item `item`'s element count (a flat cat of several rows).
+  enum Kind { Storage, Host, Scalar, Rng, Offset, Stride, Position, Length } kind;
   int arg = 0;
   int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
   ElementType element = ElementType::F32;
   uint64_t count = 0;  // random numbers drawn, for Rng
+  int dim = 0;         // for Stride
 };
 
 struct OutputPlan {
@@ -186,9 +189,11 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
 // Elements of a flat cat's result buffer (0: the call is not one). A flat cat
-// is `aten::cat` of contiguous tpu pieces of one dtype along a dim with only
-// size-1 dims before it: its result is the pieces' flat concatenation.
+// is `aten::cat` of contiguous tpu pieces of one dtype: with only size-1 dims
+// before its dim, its result is the pieces' flat concatenation; otherwise
+// each of its rows (the product of those dims) is the rows' concatenation.
 int64_t flat_cat_capacity(const Call& call);
+int64_t flat_cat_rows(const Call& call);  // that product (1: one flat row)
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt

@@ -82,10 +82,12 @@ Value element_indices(Builder& b, const StridedView& view) {
   Dims shape = view.sizes;
   Value index = view.runtime_offset ? b.broadcast_in_dim(*view.runtime_offset, shape, {})
                                     : b.constant_int(view.offset, ElementType::S64, shape);
+  const bool runtime = !view.runtime_strides.empty();
   for (size_t d = 0; d < shape.size(); ++d) {
-    if (shape[d] == 1 || view.strides[d] == 0) continue;
-    Value step = b.binary("multiply", b.iota(TensorType{ElementType::S64, shape}, static_cast<int64_t>(d)),
-                          b.constant_int(view.strides[d], ElementType::S64, shape));
+    if (shape[d] == 1 || (!runtime && view.strides[d] == 0)) continue;
+    Value stride = runtime ? b.broadcast_in_dim(*view.runtime_strides[d], shape, {})
+                           : b.constant_int(view.strides[d], ElementType::S64, shape);
+    Value step = b.binary("multiply", b.iota(TensorType{ElementType::S64, shape}, static_cast<int64_t>(d)), stride);
     index = b.binary("add", index, step);
   }
   Dims with_vector = shape;
@@ -147,6 +149,10 @@ Value storage_as(Builder& b, const std::optional<Value>& buffer, ElementType ele
 Value read_view(Builder& b, const Value& flat, const StridedView& view) {
   const int64_t rank = static_cast<int64_t>(view.sizes.size());
   if (view.numel() == 0) return b.constant(0, view.element, view.sizes);
+  if (!view.runtime_strides.empty()) {
+    Builder::GatherDims dn{{}, {0}, {}, {}, {0}, rank};
+    return b.gather(flat, element_indices(b, view), dn, {1}, view.sizes);
+  }
   if (view.is_dense_row_major()) {
     return b.reshape(slice_at_offset(b, flat, view, view.numel()), view.sizes);
   }
@@ -204,6 +210,9 @@ Value write_view(Builder& b, const Value& flat, const Value& value, const Stride
   const int64_t count = flat.dims()[0];
   const int64_t n = view.numel();
   if (n == 0) return flat;
+  const int64_t rank = static_cast<int64_t>(view.sizes.size());
+  Builder::ScatterDims dn{{}, {0}, {}, {}, {0}, rank};
+  if (!view.runtime_strides.empty()) return b.scatter(flat, element_indices(b, view), value, dn, /*combine=*/std::nullopt);
   if (view.is_dense_row_major()) {
     Value dense = b.reshape(value, {n});
     if (!view.runtime_offset && view.offset == 0 && n == count) return dense;
@@ -214,8 +223,6 @@ Value write_view(Builder& b, const Value& flat, const Value& value, const Stride
     if (!view.runtime_offset && view.offset == 0 && n == count) return dense;
     return b.dynamic_update_slice(flat, dense, {offset_value(b, view)});
   }
-  const int64_t rank = static_cast<int64_t>(view.sizes.size());
-  Builder::ScatterDims dn{{}, {0}, {}, {}, {0}, rank};
   return b.scatter(flat, element_indices(b, view), value, dn, /*combine=*/std::nullopt);
 }
 

@@ -18,6 +18,10 @@ struct StridedView {
   // Set: the offset is this s64[] runtime value instead (`offset` is 0), so
   // a loop over slices of one storage reuses one program.
   std::optional<hlo::Value> runtime_offset;
+  // Non-empty: per dim, the stride as an s64[] runtime value (unset for a
+  // size-1 dim), read and written with a gather/scatter; `strides` are then
+  // not used by the program.
+  std::vector<std::optional<hlo::Value>> runtime_strides;
   int64_t numel() const;
   int64_t extent() const;  // 1 + the largest element index relative to the offset
   bool is_dense_row_major() const;  // contiguous, ignoring size-1 dims

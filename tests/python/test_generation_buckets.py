@@ -9,6 +9,8 @@ extents and its result's power-of-two capacity; positions are runtime operands. 
 - greedy `generate()` of tiny GPT-2 and Llama configs gives the CPU's tokens (and logits), and with the static KV
   cache compiles nothing per token after warm-up, in fused and strict mode (a new prompt length compiles its prefill
   and first steps, then nothing), nor in a second generate() with the same lengths.
+- a batch of sequences (rows before the cat dim: `input_ids` of a batch) is a row cat of runtime lengths, and its
+  strided views (`ids[:, -1:]`) take runtime strides: batched static-cache decoding compiles nothing per token either;
 - The default dynamic cache still compiles per token (its attention shapes grow with the sequence): bounded.
 """
 import warnings
@@ -123,6 +125,72 @@ def test_append_inside_a_bucket_compiles_nothing(mode):
     assert last.item() == 44 and x.shape == (1, 114)
 
 
+# ---- row cats: a batch of sequences -------------------------------------------------------------------------
+# A flat cat with rows (dims before the cat dim that are not 1) of a small integer or bool tensor: a batch's
+# input_ids / attention_mask. Its strided views (`ids[:, -1:]`) read and write at runtime strides.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row_cats_match_cpu_across_buckets(mode):
+    start = torch.randint(0, 100, (3, 4), dtype=torch.int32)
+    steps = torch.randint(0, 100, (3, 70), dtype=torch.int32)  # 3 x 74 columns: crosses the 64 and 128 capacities
+
+    def grow(x, s):
+        mask = torch.ones_like(x, dtype=torch.bool)
+        lasts = []
+        for i in range(s.shape[1]):
+            x = torch.cat([x, s[:, i:i + 1] + x[:, -1:]], dim=-1)  # the piece read at runtime strides
+            mask = torch.cat([mask, (x[:, -1:] % 3) != 0], dim=1)
+            lasts.append(x[:, -1:] * 2)
+            if i % 17 == 0:
+                x[:, -2] = -i           # written through a strided view of the capacity storage
+                x[1:, -1:].add_(1)      # in place, at an offset and a runtime stride
+        return [x, mask, torch.cat(lasts, dim=1), x[:, ::3], x.t().contiguous(), x[:, 1:-1].sum(1)]
+
+    with torch_pjrt.mode(mode):
+        expected, actual = run_both(grow, start, steps)
+    for e, a in zip(expected, actual):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row_cats_of_several_leading_dims_pieces_at_offsets_and_floats(mode):
+    def pieces(a, b, f):
+        x = torch.cat([a[:, :, 1:3], b, a[:, :, :1]], dim=2)          # rows over two dims, pieces at offsets
+        y = torch.cat([x, x[:, :, -2:].contiguous() * 3], dim=2)       # a capacity storage as a piece
+        z = torch.cat([f, f * 2], dim=-1)                              # float: XLA's concatenate, exact size
+        return [x, y, y[1, :, ::2], z]
+
+    a = torch.randint(-50, 50, (2, 3, 4))
+    b = torch.randint(-50, 50, (2, 3, 5))
+    f = torch.randn(4, 6)
+    with torch_pjrt.mode(mode):
+        expected, actual = run_both(pieces, a, b, f)
+    for e, a_ in zip(expected, actual):
+        assert a_.dtype == e.dtype and a_.shape == e.shape
+        torch.testing.assert_close(a_, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_batched_append_inside_a_bucket_compiles_nothing(mode):
+    with torch_pjrt.mode(mode):
+        x = torch.zeros(3, 40, dtype=torch.long, device="tpu")  # 120 elements: capacity 128 until 42 columns
+        x = torch.cat([x, x[:, -1:]], dim=-1)
+        x = torch.cat([x, x[:, -1:] + 1], dim=-1)
+        x[:, -1:].cpu()
+        x = torch.zeros(3, 43, dtype=torch.long, device="tpu")  # capacity 256: up to 85 columns
+        for i in range(4):  # warm-up: the first capacity storage, then runtime strides
+            x = torch.cat([x, x[:, -1:] + 1], dim=-1)
+            x[:, -1:].cpu()
+        before = compiles()
+        for i in range(36):
+            x = torch.cat([x, x[:, -1:] + 1], dim=-1)
+            last = x[:, -1:].cpu()
+        assert compiles() == before, torch_pjrt.explain()
+    assert last.flatten().tolist() == [40] * 3 and x.shape == (3, 83)
+
+
 # ---- generate() ----------------------------------------------------------------------------------------------
 
 
@@ -176,6 +244,24 @@ def test_static_cache_generation_compiles_nothing_per_token(kind, mode):
         torch.testing.assert_close(logits, e_logits, rtol=1e-4, atol=1e-4)
     assert same_length == 0, torch_pjrt.explain()
     per_token = counter.counts[-1] - counter.counts[2]
+    assert per_token == 0, (counter.counts, torch_pjrt.explain())
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_batched_static_cache_generation_compiles_nothing_per_token(kind, mode):
+    # A batch of 2 prompts: input_ids and attention_mask grow by a column per token (row cats).
+    pytest.importorskip("transformers")
+    model = tiny_model(kind)
+    prompts = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    expected = generate(model, prompts, 3 * N, "static")
+    model.to("tpu")
+    with torch_pjrt.mode(mode):
+        counter = CompileCounter()
+        got = generate(model, prompts.to("tpu"), 3 * N, "static", counter)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+    per_token = counter.counts[-1] - counter.counts[3]
     assert per_token == 0, (counter.counts, torch_pjrt.explain())
 
 

@@ -20,8 +20,43 @@ Value flat_cat(Builder& b, const std::vector<Context::FlatPiece>& pieces, int64_
   return b.slice(out, {0}, {capacity}, {1});
 }
 
+// A flat cat of `rows` rows (a batch of sequences, each growing by a column):
+// row b of the result is row b of every piece in turn, and every length comes
+// at runtime. Each piece's rows are gathered from its flat storage into a
+// [rows, bound] block (bound: the most a row of it can hold); the elements
+// past its row length go to a sink slot past the capacity, cut off at the end.
+Value row_cat(Builder& b, const std::vector<Context::FlatPiece>& pieces, int64_t capacity, int64_t rows) {
+  const ElementType s64 = ElementType::S64;
+  std::vector<Value> row_length;
+  for (const auto& p : pieces) row_length.push_back(b.binary("divide", *p.length, b.constant_int(rows, s64)));
+  Value total = row_length[0];
+  for (size_t k = 1; k < row_length.size(); ++k) total = b.binary("add", total, row_length[k]);
+  Value out = b.constant(0, pieces.at(0).data.element(), {capacity + 1});
+  Value start = b.constant_int(0, s64);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const Dims block{rows, std::max<int64_t>(pieces[k].data.dims()[0] / rows, 1)};
+    Value row = b.iota(TensorType{s64, block}, 0), column = b.iota(TensorType{s64, block}, 1);
+    auto spread = [&](const Value& scalar) { return b.broadcast_in_dim(scalar, block, {}); };
+    Value source = b.binary("add", b.binary("multiply", row, spread(row_length[k])), column);
+    Value target = b.binary("add", b.binary("add", b.binary("multiply", row, spread(total)), spread(start)), column);
+    target = b.select(b.compare(column, spread(row_length[k]), hlo::Compare::LT), target,
+                      b.constant_int(capacity, s64, block));
+    const Dims with_vector{rows, block[1], 1};
+    Value values = b.gather(pieces[k].data, b.reshape(source, with_vector), Builder::GatherDims{{}, {0}, {}, {}, {0}, 2},
+                            {1}, block);
+    out = b.scatter(out, b.reshape(target, with_vector), values, Builder::ScatterDims{{}, {0}, {}, {}, {0}, 2},
+                    /*combine=*/std::nullopt);
+    start = b.binary("add", start, row_length[k]);
+  }
+  return b.slice(out, {0}, {capacity}, {1});
+}
+
 std::vector<Value> lower_cat(Context& c) {
-  if (int64_t capacity = c.flat_capacity()) return {flat_cat(c.b, c.flat_pieces("tensors"), capacity)};
+  if (int64_t capacity = c.flat_capacity()) {
+    int64_t rows = c.flat_rows();
+    return {rows > 1 ? row_cat(c.b, c.flat_pieces("tensors"), capacity, rows)
+                     : flat_cat(c.b, c.flat_pieces("tensors"), capacity)};
+  }
   const OutputMeta& o = c.output(0);
   int64_t rank = static_cast<int64_t>(o.dims.size());
   int64_t dim = wrap_dim(c.int_arg("dim"), rank);
