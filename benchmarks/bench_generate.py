@@ -6,9 +6,10 @@
   and per token (after the first 2) of a generate() whose prompt has a new length (`new len`: a new prefill, then
   the steady state); whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
 
-for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode.
+for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode, for one prompt
+and (static cache) a batch of 2 prompts (input_ids and attention_mask grow by a column per row: row cats).
 
-    PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict]
+    PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict] [--batches 1,2]
 """
 import argparse
 import subprocess
@@ -59,9 +60,9 @@ def run(model, ids, cache, tokens, sync):
     return out, time.perf_counter() - start, counter.counts
 
 
-def measure(kind, cache, mode, tokens):
+def measure(kind, cache, mode, tokens, batch=1):
     """One row, in a fresh process: nothing compiled before it."""
-    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 128, (batch, 8), generator=torch.Generator().manual_seed(1))
     model = tiny_model(kind)
     expected, _, _ = run(model, ids, cache, tokens, lambda: None)  # CPU warm-up
     _, cpu_s, _ = run(model, ids, cache, tokens, lambda: None)
@@ -72,10 +73,10 @@ def measure(kind, cache, mode, tokens):
         before = torch_pjrt.metrics()["compiles"]
         _, warm_s, _ = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
         warm_compiles = torch_pjrt.metrics()["compiles"] - before
-        other = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(2)).to("tpu")
+        other = torch.randint(3, 128, (batch, 11), generator=torch.Generator().manual_seed(2)).to("tpu")
         _, _, new_counts = run(model, other, cache, tokens, torch.tpu.synchronize)
         new_len = (new_counts[-1] - new_counts[1]) / max(len(new_counts) - 2, 1)
-    print(f"{kind:6s} {cache:8s} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
+    print(f"{kind:6s} {cache:8s} {batch:5d} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
           f"{cpu_s / warm_s:8.2f}x {per_token:14.1f} {warm_compiles:10d} {new_len:13.1f} "
           f"{str(torch.equal(out, expected)):>5s}",
           flush=True)
@@ -85,19 +86,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--modes", default="fused,strict")
-    parser.add_argument("--one", help="kind,cache,mode: measure one row in this process")
+    parser.add_argument("--batches", default="1,2", help="prompts per generate(); batches over 1 use the static cache")
+    parser.add_argument("--one", help="kind,cache,mode,batch: measure one row in this process")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.one:
-        return measure(*args.one.split(","), args.tokens)
+        kind, cache, mode, batch = args.one.split(",")
+        return measure(kind, cache, mode, args.tokens, int(batch))
     print("platform:", torch_pjrt.platform())
-    print(f"{'model':6s} {'cache':8s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
+    print(f"{'model':6s} {'cache':8s} {'batch':>5s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
           f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'new len c/tok':>13s} {'same':>5s}", flush=True)
+    rows = [(cache, 1) for cache in ("dynamic", "static")]
+    rows += [("static", int(b)) for b in args.batches.split(",") if int(b) > 1]
     for kind in ("gpt2", "llama"):
-        for cache in ("dynamic", "static"):
+        for cache, batch in rows:
             for mode in args.modes.split(","):
                 subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--one",
-                                f"{kind},{cache},{mode}"], check=True, stderr=subprocess.DEVNULL)
+                                f"{kind},{cache},{mode},{batch}"], check=True, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
