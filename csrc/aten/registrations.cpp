@@ -75,10 +75,12 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::op
   for (int64_t s : size) TORCH_CHECK(s >= 0, "Trying to create tensor with negative dimension ", s, ": ", size);
   TORCH_CHECK(format != c10::MemoryFormat::Preserve, "Unsupported memory format", *format);
   auto* impl = self.unsafeGetTensorImpl();
-  c10::MemoryFormat layout = format.value_or(c10::MemoryFormat::Contiguous);
-  if (self.sizes().equals(size) && self.is_contiguous(layout)) return self;
-  impl->set_sizes_contiguous(size);
-  if (format) impl->empty_tensor_restride(*format);  // as the CPU's resize_: strides of the asked layout
+  // As the CPU's resize_: the same sizes keep their strides (a transposed or
+  // channels_last tensor reads the same values); new sizes are row-major; an
+  // asked layout then restrides.
+  if (self.sizes().equals(size) && !format) return self;
+  if (!self.sizes().equals(size)) impl->set_sizes_contiguous(size);
+  if (format) impl->empty_tensor_restride(*format);
   ensure_storage_bytes(self, bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.element_size()));
   return self;
 }

@@ -102,10 +102,23 @@ def test_factories_honor_memory_format(mode):
         torch.testing.assert_close(actual.cpu(), source)
 
 
-def test_resize_back_to_contiguous(mode):
-    t = torch.empty(2, 3, 4, 5, device=DEVICE, memory_format=CL)
-    t.resize_(2, 3, 4, 5)
-    assert t.is_contiguous()
+def test_resize_keeps_or_restrides_as_on_cpu(mode):
+    # The same sizes keep the strides (and so the values read); new sizes are row-major; a format restrides.
+    cases = [((2, 3, 4, 5), {}), ((2, 3, 4, 6), {}), ((2, 3, 4, 5), {"memory_format": torch.contiguous_format}),
+             ((2, 3, 4, 5), {"memory_format": CL}), ((120,), {})]
+    for size, kw in cases:
+        dev = torch.arange(120.).reshape(2, 3, 4, 5).to(DEVICE).contiguous(memory_format=CL)
+        cpu = torch.arange(120.).reshape(2, 3, 4, 5).contiguous(memory_format=CL)
+        cpu.resize_(*size, **kw)
+        dev.resize_(*size, **kw)
+        assert dev.stride() == cpu.stride(), (size, kw)
+        if cpu.numel() <= 120:
+            assert torch.equal(dev.cpu(), cpu), (size, kw)
+    y_cpu = torch.arange(6.).reshape(2, 3).t()
+    y_dev = torch.arange(6.).reshape(2, 3).to(DEVICE).t()
+    y_cpu.resize_(3, 2)
+    y_dev.resize_(3, 2)
+    assert y_dev.stride() == y_cpu.stride() and torch.equal(y_dev.cpu(), y_cpu)
 
 
 def test_conv_batch_norm_autograd_channels_last(mode):

@@ -138,6 +138,8 @@ def test_sign_of_nan(mode, dtype):
     x = torch.tensor([NAN, -NAN, -1.5, 0.0, -0.0, 2.0, INF, -INF], dtype=dtype)
     check(mode, torch.sign, x)
     check(mode, torch.sgn, x)
+    with torch_pjrt.mode(mode):  # sign(-0.0) is +0.0 on the CPU: the sign bit too
+        assert torch.equal(torch.signbit(torch.sign(x.to("tpu")).cpu()), torch.signbit(torch.sign(x)))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -65,7 +65,10 @@ std::vector<Value> lower_sign(Context& c) {
     return {c.b.convert(c.b.compare(x, full(c.b, 0, x), hlo::Compare::NE), o.compute)};
   Value s = c.b.unary("sign", x);
   if (!is_float(o.compute)) return {s};
-  return {c.b.select(c.b.compare(x, x, hlo::Compare::NE), full(c.b, 0, x), s)};
+  // NaN gives 0, and so does -0: XLA keeps its sign, the CPU's (0 < x) - (x < 0) is +0.
+  Value zero = full(c.b, 0, x);
+  Value none = c.b.binary("or", c.b.compare(x, x, hlo::Compare::NE), c.b.compare(x, zero, hlo::Compare::EQ));
+  return {c.b.select(none, zero, s)};
 }
 // Unsigned values are their own absolute value; the CPU has no abs of bool.
 std::vector<Value> lower_abs(Context& c) {
