@@ -1723,9 +1723,12 @@ at::Tensor to_host(const at::Tensor& t) {
   check_has_value(st);
   if (!buffer) return out.zero_();
   ElementType e = element_or_throw(t.scalar_type());
-  // A capacity storage's buffer holds more than the tensor covering it: read it, keep the prefix.
-  bool covers = buffer->element_count() == t.numel() ||
-                (st.capacity > 0 && buffer->element_count() > t.numel() && static_cast<size_t>(t.nbytes()) == st.nbytes);
+  // A capacity storage's buffer holds more than the tensor covering it, and a prefix of a buffer at most twice
+  // its size (a batch cut back from its bucket) costs less to read whole than a slicing program per size: read
+  // the buffer, keep the prefix.
+  int64_t have = static_cast<int64_t>(buffer->element_count());
+  bool covers = have == t.numel() || (have > t.numel() && have <= 2 * t.numel()) ||
+                (st.capacity > 0 && have > t.numel() && static_cast<size_t>(t.nbytes()) == st.nbytes);
   bool direct = t.is_contiguous() && t.storage_offset() == 0 && buffer->element_type() == e && covers &&
                 !t.is_conj() && !t.is_neg();  // clone applies the bits
   if (!direct) {

@@ -14,10 +14,10 @@ Graph breaks run in the current mode (fused by default) between the compiled
 pieces. Dynamic shapes (dynamic=True, mark_dynamic): Dynamo keeps one graph
 whose size arguments are ints at run time; each distinct size records ops of
 that size and compiles one XLA program for it (cached in memory and on disk),
-and keeps its own replay plan, so a repeated size replays.
-No bucketing or padding (padding changes results wherever an op mixes along
-the padded dim): results are exact, the first call of each new size pays a
-compile (docs/architecture.md).
+and keeps its own replay plan, so a repeated size replays. An inference graph
+that keeps its batch rows apart runs each batch size padded to a power-of-two
+bucket instead (see "dynamic batch buckets" below); padding any other graph
+would change its results (docs/design/compiled-mode.md).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class _CompiledGraph:
     runs op by op again.
     """
 
-    def __init__(self, gm):
+    def __init__(self, gm, batch_buckets=False):
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) copy it
         _note_graph_source(gm)
         self.gm = gm
@@ -109,9 +109,20 @@ class _CompiledGraph:
         # Data-dependent sizes or values (.item(), nonzero under capture_scalar_outputs or
         # capture_dynamic_output_shape_ops) would be baked into a replay: never replay those.
         self.data_dependent = _has_unbacked_symbols(gm)
+        # An inference graph that keeps its batch rows apart runs each dynamic batch size at its bucket.
+        self.buckets = _batch_buckets(gm) if batch_buckets and not self.data_dependent else None
 
     def __call__(self, args):
         args = list(args)
+        if self.buckets is not None:
+            padded = self.buckets.pad(args)
+            if padded is not None:
+                args, batch, sizes = padded
+                _bucket_calls[0] += 1
+                return self.buckets.cut_outputs(self._run(args), batch, sizes)
+        return self._run(args)
+
+    def _run(self, args):
         # Debug mode waits and checks at every op: no replay there.
         split = _C._split_replay_args(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
         replayable = split is not None and len(self.plans) < _MAX_SIZES_REPLAYED
@@ -167,6 +178,284 @@ def _has_unbacked_symbols(gm) -> bool:
     return False
 
 
+# ---- dynamic batch buckets --------------------------------------------------
+# An inference graph (no autograd) whose every op treats the rows of dim 0
+# independently (pointwise ops, matmuls and convolutions over the batch, norms
+# and softmax over other dims, views that keep the batch leading) gives each
+# row the result it would get alone. Such a graph with a dynamic batch size
+# runs at the next power of two: its inputs are padded with zero rows, its
+# outputs cut back to the real rows, so every batch size in a bucket replays
+# one program. Anything else, a graph that mixes rows (a mean over the batch,
+# training's weight gradients, BatchNorm in training), draws random numbers,
+# or mutates an input, runs at its exact size (docs/design/compiled-mode.md).
+
+_ROW_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "clone", "_to_copy", "alias", "detach", "contiguous",
+              "lift_fresh_copy", "unsqueeze", "squeeze", "mm", "addmm", "bmm", "baddbmm", "embedding", "convolution",
+              "_native_batch_norm_legit_no_training", "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d",
+              "full", "zeros", "ones", "empty", "scalar_tensor", "arange", "new_zeros", "new_ones", "new_empty",
+              "new_full", "full_like", "zeros_like", "ones_like", "empty_like", "empty_strided", "permute",
+              "transpose", "constant_pad_nd", "native_layer_norm"}
+# ops working along a dim argument, which must not be the batch dim: (its position, its default; None: every dim)
+_DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "sum": (1, None), "mean": (1, None),
+            "amax": (1, None), "amin": (1, None), "prod": (1, None), "var": (1, None), "std": (1, None),
+            "var_mean": (1, None), "argmax": (1, None), "argmin": (1, None), "any": (1, None), "all": (1, None),
+            "logsumexp": (1, None), "cumsum": (1, None), "max": (1, None), "min": (1, None), "slice": (1, 0),
+            "select": (1, None), "split": (2, 0), "split_with_sizes": (2, 0), "chunk": (2, 0), "unbind": (1, 0),
+            "cat": (1, 0), "stack": (1, 0), "topk": (2, -1), "sort": (1, -1), "flip": (1, None)}
+# ops whose size arguments may be functions of the batch (the padded graph asks for the padded sizes)
+_SIZE_TAKING = {"view", "_unsafe_view", "reshape", "expand", "full", "zeros", "ones", "empty", "new_zeros",
+                "new_ones", "new_empty", "new_full", "empty_strided", "arange"}
+_INT_DIVISIONS = {"div", "floor_divide", "remainder", "fmod"}  # a zero pad row would raise the zero-divisor check
+
+
+def _symbol_of(size):
+    """The sympy expression of a size (None for a plain int)."""
+    node = getattr(size, "node", None)
+    return node.expr if node is not None else None
+
+
+def _batch_symbol(gm):
+    """The symbol every tensor carries only as a factor of dim 0, if the graph keeps its rows apart; else None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbol = None
+    for n in placeholders:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            expr = _symbol_of(val.shape[0])
+            if expr is not None and expr.is_Symbol:
+                symbol = expr
+                break
+    if symbol is None:
+        return None
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            expr = None if isinstance(val, torch.Tensor) else _symbol_of(val)
+            if expr is not None and symbol in expr.free_symbols and expr != symbol:
+                return None  # an int argument that is a function of the batch
+            continue
+        if n.op == "output":
+            for out in n.args[0]:
+                out_val = out.meta.get("val") if isinstance(out, torch.fx.Node) else out
+                if not isinstance(out_val, torch.Tensor) and out_val is not None:
+                    expr = _symbol_of(out_val)
+                    if expr is not None and symbol in expr.free_symbols:
+                        return None  # an int output that depends on the batch
+            continue
+        if n.op != "call_function":
+            return None
+        if not _rows_kept(n, symbol):
+            return None
+    return symbol
+
+
+def _batch_dims_ok(val, symbol) -> bool:
+    """The batch symbol appears only in dim 0, as a factor of it."""
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    for v in vals:
+        if v is None or not isinstance(v, torch.Tensor):
+            expr = _symbol_of(v) if v is not None else None
+            if expr is not None and symbol in expr.free_symbols:
+                return False
+            continue
+        for d, size in enumerate(v.shape):
+            expr = _symbol_of(size)
+            if expr is None or symbol not in expr.free_symbols:
+                continue
+            if d != 0 or symbol in (expr / symbol).free_symbols:
+                return False
+    return True
+
+
+def _rows_kept(node, symbol) -> bool:
+    import operator
+
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        # arithmetic on sizes (sym_size, operator.mul): fine unless a tensor op uses the result wrongly,
+        # which the shape check of that op catches
+        return not isinstance(node.meta.get("val"), torch.Tensor)
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    name = target._schema.name.split("::")[-1]
+    if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+        return name in ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")  # sizes, not values
+    if not _batch_dims_ok(node.meta.get("val"), symbol):
+        return False
+    args = node.args
+    # A number that is a function of the batch (`x * x.shape[0]`, a slice bound) would take the padded value.
+    if name not in _SIZE_TAKING and _mentions([a for a in args if not _is_tensor_node(a)] + list(node.kwargs.values()),
+                                              symbol):
+        return False
+    if not any(_carries(a, symbol) for a in list(args) + list(node.kwargs.values())) and \
+            not _carries(node.meta.get("val"), symbol):
+        return True  # the op never sees the batch (a weight's transpose)
+    if torch.Tag.pointwise in target.tags:
+        if name in _INT_DIVISIONS:
+            inputs = [a.meta.get("val") for a in args if isinstance(a, torch.fx.Node)]
+            if any(isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() for v in inputs):
+                return False
+        return True
+    if name in ("mm", "addmm"):
+        other = args[-1]  # mat2 carries no batch
+        return not (isinstance(other, torch.fx.Node) and not _batch_dims_ok_free(other, symbol))
+    if name == "embedding":
+        return _batch_dims_ok_free(args[0], symbol)
+    if name == "convolution":
+        return _batch_dims_ok_free(args[1], symbol)
+    if name in _ROW_VIEWS or name in _DIM_OPS:
+        dims = _dims_of(node, name)
+        return dims is not None and 0 not in dims
+    return False
+
+
+def _batch_dims_ok_free(node, symbol) -> bool:
+    """The argument does not carry the batch at all."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return True
+    return all(_symbol_of(s) is None or symbol not in _symbol_of(s).free_symbols for s in val.shape)
+
+
+def _carries(value, symbol) -> bool:
+    """A tensor (or a node or list of them) with the batch in its shape."""
+    if isinstance(value, (list, tuple)):
+        return any(_carries(v, symbol) for v in value)
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(_symbol_of(s) is not None and symbol in _symbol_of(s).free_symbols for s in value.shape)
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _mentions(value, symbol) -> bool:
+    """A non-tensor argument (a number, a list of them, a size node) that depends on the batch."""
+    if isinstance(value, (list, tuple)):
+        return any(_mentions(v, symbol) for v in value)
+    if isinstance(value, torch.fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return False
+        expr = _symbol_of(val)
+        return expr is not None and symbol in expr.free_symbols
+    expr = _symbol_of(value)
+    return expr is not None and symbol in expr.free_symbols
+
+
+def _dims_of(node, name):
+    """The dims an op works along (normalized; empty for none), or None when it works along every dim."""
+    args, kwargs = node.args, node.kwargs
+    if name not in _DIM_OPS and name not in ("native_layer_norm", "permute", "transpose", "constant_pad_nd"):
+        return set()  # no dim argument: a view, a matmul, a factory (the shape check covers them)
+    first = args[0]
+    if isinstance(first, (list, tuple)):  # cat, stack: a list of tensors
+        first = next((a for a in first if isinstance(a, torch.fx.Node)), None)
+    first = first.meta.get("val") if isinstance(first, torch.fx.Node) else None
+    if not isinstance(first, torch.Tensor):
+        return None
+    rank = max(first.dim() + (1 if name == "stack" else 0), 1)
+    if name == "native_layer_norm":
+        return set(range(rank - len(args[1]), rank))
+    if name == "permute":
+        return set() if list(args[1])[0] % rank == 0 else {0}
+    if name == "transpose":
+        return {a % rank for a in args[1:3]}
+    if name == "constant_pad_nd":
+        return {rank - 1 - i // 2 for i, p in enumerate(args[1]) if p != 0}
+    position, default = _DIM_OPS[name]
+    dim = args[position] if len(args) > position else kwargs.get("dim", default)
+    if dim is None:
+        return None
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    if len(dims) == 0:
+        return None  # an empty dim list reduces everything
+    return {d % rank for d in dims}
+
+
+def _bucket(n: int) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+class _BatchBuckets:
+    """How one inference graph runs a batch at its bucket: which arguments are the batch, which are padded."""
+
+    def __init__(self, gm, symbol):
+        self.symbol = symbol
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.symbols = {}  # bare size symbol -> argument index
+        self.padded = {}   # tensor argument index -> dim 0 / batch (a sympy expression in other sizes)
+        for i, n in enumerate(placeholders):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                expr = _symbol_of(val.shape[0]) if val.dim() > 0 else None
+                if expr is not None and symbol in expr.free_symbols:
+                    self.padded[i] = expr / symbol
+            else:
+                expr = _symbol_of(val)
+                if expr is not None and expr.is_Symbol:
+                    self.symbols[expr] = i
+        self.source = next(i for i, c in self.padded.items() if c == 1)  # an argument whose dim 0 is the batch
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.cut = []  # per output: dim 0 / batch, or None
+        for out in output.args[0]:
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+            expr = _symbol_of(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() > 0 else None
+            self.cut.append(expr / symbol if expr is not None and symbol in expr.free_symbols else None)
+
+    def pad(self, args):
+        """(the arguments at the bucket, the real batch, the sizes), or None to run at the exact size."""
+        batch = args[self.source].shape[0]
+        bucket = _bucket(batch)
+        if bucket == batch:
+            return None
+        values = {s: args[i] for s, i in self.symbols.items()}
+        if values.get(self.symbol, batch) != batch:
+            return None
+        try:
+            rows = {i: int(c.subs(values)) for i, c in self.padded.items()}
+        except (TypeError, ValueError):
+            return None  # a factor that is not a plain size
+        padded = list(args)
+        for i, per_row in rows.items():
+            t = args[i]
+            padded[i] = torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, (bucket - batch) * per_row])
+        if self.symbol in self.symbols:
+            padded[self.symbols[self.symbol]] = bucket
+        return padded, batch, values
+
+    def cut_outputs(self, outs, batch, values):
+        cut = list(outs)
+        for k, per_row in enumerate(self.cut):
+            if per_row is not None and isinstance(cut[k], torch.Tensor):
+                cut[k] = cut[k].narrow(0, 0, batch * int(per_row.subs(values)))
+        return cut
+
+
+def _batch_buckets(gm):
+    if not _BUCKETS:
+        return None
+    try:
+        symbol = _batch_symbol(gm)
+        return _BatchBuckets(gm, symbol) if symbol is not None else None
+    except Exception:  # a graph the analysis does not understand runs at its exact sizes
+        return None
+
+
+# TORCH_PJRT_BATCH_BUCKETS=0: inference graphs with a dynamic batch run at every exact batch size.
+_BUCKETS = os.environ.get("TORCH_PJRT_BATCH_BUCKETS", "1") != "0"
+
+_bucket_calls = [0]  # calls run at a bucket (tests and benchmarks read it)
+
+
 # TORCH_PJRT_COMPILE_REPLAY=0 runs every compiled call op by op (fused).
 _REPLAY = os.environ.get("TORCH_PJRT_COMPILE_REPLAY", "1") != "0"
 # A dynamic-shape graph keeps a replay plan (and its program) per distinct size, up to this many.
@@ -177,6 +466,10 @@ def _graph_compiler(gm, example_inputs):
     return _CompiledGraph(gm)
 
 
+def _inference_compiler(gm, example_inputs):
+    return _CompiledGraph(gm, batch_buckets=True)
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend registered as 'tpu'."""
     from torch._dynamo.backends.common import aot_autograd
@@ -184,7 +477,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     # Input mutations of inference graphs (a compiled opt.step) stay in the
     # graph, so the parameter updates are part of its one program.
     aot = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
-                       inference_compiler=_graph_compiler, decompositions=decompositions(),
+                       inference_compiler=_inference_compiler, decompositions=decompositions(),
                        keep_inference_input_mutations=True)
     compiled = aot(gm, example_inputs, **kwargs)
 

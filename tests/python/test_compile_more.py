@@ -115,23 +115,28 @@ class MLP(nn.Module):
 
 
 SIZES = [3, 5, 7, 5, 9, 3, 5]
+BUCKETS = {3: 4, 5: 8, 7: 8, 9: 16}
 
 
 @pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
-def test_dynamic_shapes_compile_once_per_size_and_replay_repeats(how):
-    """dynamic=True / mark_dynamic: Dynamo traces one graph with a symbolic batch size; each
-    distinct size compiles one XLA program (its first call runs op by op); a repeated size
-    compiles nothing and replays. No padding: results are exact for every size."""
+def test_dynamic_batch_runs_at_its_bucket(how):
+    """dynamic=True / mark_dynamic on an inference graph that keeps its rows apart: Dynamo traces one graph
+    with a symbolic batch size; each batch runs padded to the next power of two and is cut back, so one XLA
+    program serves a bucket. A new size inside a seen bucket compiles only its input's pad; a repeated size
+    compiles nothing. Every size gives the CPU's values, shapes and strides."""
+    from torch_pjrt import _compile
+
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     width = {"dynamic": 17, "mark_dynamic": 19}[how]  # programs no other test compiled
     cpu = MLP(width)
+    bucketed = _compile._bucket_calls[0]
     with torch_pjrt.mode("fused"):
         dev = MLP(width).to(DEVICE)
         dev.load_state_dict(cpu.state_dict())
         compiled = torch.compile(dev, backend="tpu", dynamic=True if how == "dynamic" else None)
-        seen = set()
+        seen, buckets = set(), set()
         for n in SIZES:
             x = torch.randn(n, width)
             xd = x.to(DEVICE)
@@ -139,19 +144,77 @@ def test_dynamic_shapes_compile_once_per_size_and_replay_repeats(how):
                 torch._dynamo.mark_dynamic(xd, 0)
             before = torch_pjrt.metrics()
             with torch.no_grad():
-                out = compiled(xd).cpu()
+                out = compiled(xd)
+                host = out.cpu()
             after = torch_pjrt.metrics()
-            # A program made for this size: compiled, or loaded from a persistent cache.
+            # Programs made for this call: compiled, or loaded from a persistent cache.
             compiles = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
             replays = after["compiled_replays"] - before["compiled_replays"]
-            if n in seen:
+            if how == "mark_dynamic" and not seen:
+                pass  # the first call traces a static graph: mark_dynamic makes the next ones dynamic
+            elif n in seen:
                 assert (compiles, replays) == (0, 1), f"size {n} again: {compiles} compiles, {replays} replays"
+            elif BUCKETS[n] in buckets:
+                assert (compiles, replays) == (1, 1), f"new size {n}, seen bucket: {compiles}, {replays}"
             else:
-                assert compiles == 1 and replays == 0, f"new size {n}: {compiles} compiles, {replays} replays"
+                assert compiles == 2 and replays == 0, f"new size {n}, new bucket: {compiles}, {replays}"
             seen.add(n)
+            buckets.add(BUCKETS[n])
             with torch.no_grad():
-                torch.testing.assert_close(out, cpu(x), atol=1e-5, rtol=1e-5)
+                expected = cpu(x)
+            assert out.shape == expected.shape and out.stride() == expected.stride()
+            torch.testing.assert_close(host, expected, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # one Dynamo graph for every size
+    assert _compile._bucket_calls[0] > bucketed
+
+
+class RowMixers(nn.Module):
+    """Ops that make a row depend on other rows or on the batch size: each keeps exact sizes."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, k):
+        y = self.lin(x)
+        if self.kind == "mean over the batch":
+            return y - y.mean(0, keepdim=True)
+        if self.kind == "the batch size as a number":
+            return y * y.shape[0]
+        if self.kind == "batch norm in training":
+            return nn.functional.batch_norm(y, None, None, training=True)
+        if self.kind == "integer division":
+            return k // (k % 3)  # a padded zero row would raise the zero-divisor check
+        if self.kind == "dropout":
+            return nn.functional.dropout(y, 0.5, training=True)
+        if self.kind == "a row index":
+            return y[1:] + y[:-1]
+        return torch.cumsum(y, 0)
+
+
+@pytest.mark.parametrize("kind", ["mean over the batch", "the batch size as a number", "batch norm in training",
+                                  "integer division", "dropout", "a row index", "cumsum over the batch"])
+def test_graphs_that_mix_rows_keep_exact_batch_sizes(kind):
+    from torch_pjrt import _compile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cpu = RowMixers(kind)
+    dev = RowMixers(kind).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    compiled = torch.compile(dev, backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    with torch_pjrt.mode("fused"), torch.no_grad():
+        for n in (3, 5, 6):
+            x = torch.randn(n, 6)
+            k = torch.randint(1, 50, (n, 4)) * 3 + 1
+            out = compiled(x.to(DEVICE), k.to(DEVICE))
+            if kind == "dropout":  # random: the kept fraction, not the CPU's draws
+                assert out.shape == (n, 6)
+                continue
+            torch.testing.assert_close(out.cpu(), cpu(x, k), atol=1e-5, rtol=1e-5)
+    assert _compile._bucket_calls[0] == bucketed, kind
 
 
 def test_dynamic_shapes_training_replays_per_size():

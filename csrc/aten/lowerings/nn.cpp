@@ -522,7 +522,7 @@ std::vector<Value> lower_batch_norm(Context& c) {
   Value x = input(c, "input", e);
   Dims dims = all_but_channel(x.rank());
   double eps = c.float_arg("eps"), momentum = c.float_arg("momentum");
-  bool training = c.bool_arg("training");
+  bool training = c.has("training") && c.bool_arg("training");  // _native_batch_norm_legit_no_training has none
   bool has_running = c.has("running_mean") && c.has("running_var");
   std::optional<Value> rm, rv;
   if (c.has("running_mean")) rm = input(c, "running_mean", e);
@@ -550,6 +550,13 @@ std::vector<Value> lower_batch_norm(Context& c) {
   };
   if (rm) out.push_back(update(*rm, mean));
   if (rv) out.push_back(update(*rv, mul(c.b, var, full(c.b, n / std::max(1.0, n - 1), var))));
+  return out;
+}
+
+// Inference batch norm (torch.compile's eval graphs): the running stats are read, never written.
+std::vector<Value> lower_batch_norm_no_training(Context& c) {
+  std::vector<Value> out = lower_batch_norm(c);
+  out.resize(3);
   return out;
 }
 
@@ -766,6 +773,9 @@ void register_nn(Table& t) {
            {"_thnn_fused_gru_cell", lower_gru_cell}, {"_thnn_fused_gru_cell_backward", lower_gru_cell_backward}})
     add_lowering(t, name, fn);
   add_lowering(t, "native_batch_norm", lower_batch_norm, false, {"running_mean", "running_var"});
+  // The functional forms torch.compile's graphs use; the first one's schema marks the running stats written.
+  add_lowering(t, "_native_batch_norm_legit", lower_batch_norm);
+  add_lowering(t, "_native_batch_norm_legit_no_training", lower_batch_norm_no_training);
 }
 
 }  // namespace torch_pjrt::lowering
