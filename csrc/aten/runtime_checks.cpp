@@ -40,18 +40,21 @@ void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::ve
   if (full) raise_failed_checks(device);
 }
 
+// Raises the first failed check; other failed ones stay queued for the next
+// wait, so a second bad op's result never reads as if nothing happened.
 void raise_failed_checks(int device) {
-  std::vector<PendingStatus> pending;
+  std::vector<std::pair<DeviceContext*, PendingStatus>> pending;
   for (DeviceContext* ctx : started_device_contexts()) {
     if (device >= 0 && ctx->index != device) continue;
     std::lock_guard<std::mutex> lock(ctx->checks_mutex);
-    std::move(ctx->check_statuses.begin(), ctx->check_statuses.end(), std::back_inserter(pending));
+    for (PendingStatus& p : ctx->check_statuses) pending.emplace_back(ctx, std::move(p));
     ctx->check_statuses.clear();
   }
   if (pending.empty()) return;
   const PendingStatus* failed = nullptr;
   int64_t first[2] = {-1, 0};
-  for (const PendingStatus& p : pending) {
+  std::vector<std::pair<DeviceContext*, PendingStatus>> later;
+  for (auto& [ctx, p] : pending) {
     int64_t status[2] = {-1, 0};
     ++graph::metrics().check_status_reads;
     try {
@@ -59,11 +62,14 @@ void raise_failed_checks(int device) {
     } catch (const pjrt::Error&) {
       continue;  // the program itself failed: its completion event reports that
     }
-    if (status[0] >= 0 && !failed) {
-      failed = &p;
-      first[0] = status[0];
-      first[1] = status[1];
+    if (status[0] < 0) continue;
+    if (failed) {
+      later.emplace_back(ctx, std::move(p));
+      continue;
     }
+    failed = &p;
+    first[0] = status[0];
+    first[1] = status[1];
   }
   if (!failed) return;
   const CheckInfo& info = failed->checks->at(static_cast<size_t>(first[0]));
@@ -71,6 +77,10 @@ void raise_failed_checks(int device) {
   std::string message = c10::str(with_value(info.message, first[1]), " (in ", info.op, ", recorded at ",
                                  graph::describe_source_location(location),
                                  "; found by a check on the device, raised at the next host wait)");
+  for (auto it = later.rbegin(); it != later.rend(); ++it) {  // ahead of newer statuses, in their order
+    std::lock_guard<std::mutex> lock(it->first->checks_mutex);
+    it->first->check_statuses.insert(it->first->check_statuses.begin(), std::move(it->second));
+  }
   if (info.error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
   TORCH_CHECK(false, message);
 }

@@ -145,6 +145,20 @@ def test_an_unrelated_read_reports_an_earlier_failure():
         assert (x + 1).cpu().tolist() == list(range(1, 11))
 
 
+def test_each_failed_program_raises_at_a_wait():
+    # Two bad ops in two programs: the first wait raises the first, the next wait the second (a second bad
+    # result never reads as clamped values without an error).
+    with torch_pjrt.mode("strict"):
+        x = torch.arange(20.0, device=DEVICE).reshape(10, 2)
+        a = x[torch.tensor([1, 10], device=DEVICE)]  # bad-first
+        b = x[torch.tensor([-19, 0], device=DEVICE)]  # bad-second
+        with pytest.raises(IndexError, match=f"index 10 .*{_line_of('# bad-first')}"):
+            a.cpu()
+        with pytest.raises(IndexError, match=f"index -19 .*{_line_of('# bad-second')}"):
+            b.cpu()
+        assert x.sum().item() == 190.0  # nothing left pending
+
+
 @pytest.mark.parametrize("graph_mode", ["fused", "lazy"])
 def test_a_graph_names_the_first_failing_op(graph_mode):
     with torch_pjrt.mode(graph_mode):
