@@ -146,6 +146,7 @@ struct KeyBuilder {
       const StorageState& st = storage_state(t.storage());
       std::optional<lowering::TensorType> type = checked_storage_type(st);
       num(static_cast<int64_t>(extent_bytes(st)));  // a capacity storage keys by its capacity
+      if (st.capacity > 0) key += 'k';  // its strided views read at runtime strides (CallContext::view_of)
       if (type) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
         num(type->element_count());

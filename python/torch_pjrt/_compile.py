@@ -202,9 +202,9 @@ _DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "sum": (1, None), 
             "logsumexp": (1, None), "cumsum": (1, None), "max": (1, None), "min": (1, None), "slice": (1, 0),
             "select": (1, None), "split": (2, 0), "split_with_sizes": (2, 0), "chunk": (2, 0), "unbind": (1, 0),
             "cat": (1, 0), "stack": (1, 0), "topk": (2, -1), "sort": (1, -1), "flip": (1, None)}
-# ops whose size arguments may be functions of the batch (the padded graph asks for the padded sizes)
-_SIZE_TAKING = {"view", "_unsafe_view", "reshape", "expand", "full", "zeros", "ones", "empty", "new_zeros",
-                "new_ones", "new_empty", "new_full", "empty_strided", "arange"}
+# Arguments that may be functions of the batch: sizes (the padded graph asks for the padded sizes), and
+# arange's end (row i still holds start + i * step). Any other number (a fill value, arange's start) may not.
+_SIZE_ARGUMENTS = {"size", "shape", "stride"}
 _INT_DIVISIONS = {"div", "floor_divide", "remainder", "fmod"}  # a zero pad row would raise the zero-divisor check
 
 
@@ -230,7 +230,11 @@ def _batch_symbol(gm):
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder":
-            expr = None if isinstance(val, torch.Tensor) else _symbol_of(val)
+            if isinstance(val, torch.Tensor):
+                if not _batch_dims_ok(val, symbol):
+                    return None  # an input with the batch in another dim (it would not be padded)
+                continue
+            expr = _symbol_of(val)
             if expr is not None and symbol in expr.free_symbols and expr != symbol:
                 return None  # an int argument that is a function of the batch
             continue
@@ -286,9 +290,14 @@ def _rows_kept(node, symbol) -> bool:
         return False
     args = node.args
     # A number that is a function of the batch (`x * x.shape[0]`, a slice bound) would take the padded value.
-    if name not in _SIZE_TAKING and _mentions([a for a in args if not _is_tensor_node(a)] + list(node.kwargs.values()),
-                                              symbol):
-        return False
+    schema_args = target._schema.arguments
+    named = [(schema_args[i].name if i < len(schema_args) else "", a) for i, a in enumerate(args)]
+    for arg_name, value in named + list(node.kwargs.items()):
+        sizes = arg_name in _SIZE_ARGUMENTS or (name == "arange" and arg_name == "end")
+        if not sizes and not _is_tensor_node(value) and _mentions(value, symbol):
+            return False
+    if name == "slice" and _whole_slice(args):
+        return True  # x[:, 1] slices dim 0 from 0 to the end: the identity
     if not any(_carries(a, symbol) for a in list(args) + list(node.kwargs.values())) and \
             not _carries(node.meta.get("val"), symbol):
         return True  # the op never sees the batch (a weight's transpose)
@@ -309,6 +318,14 @@ def _rows_kept(node, symbol) -> bool:
         dims = _dims_of(node, name)
         return dims is not None and 0 not in dims
     return False
+
+
+def _whole_slice(args) -> bool:
+    dim = args[1] if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    return dim == 0 and start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
 def _batch_dims_ok_free(node, symbol) -> bool:

@@ -190,11 +190,19 @@ class RowMixers(nn.Module):
             return nn.functional.dropout(y, 0.5, training=True)
         if self.kind == "a row index":
             return y[1:] + y[:-1]
+        if self.kind == "the batch size as a fill value":
+            return y + torch.full((y.shape[0], 1), y.shape[0], device=y.device) + y.new_full((6,), y.shape[0])
+        if self.kind == "the batch size as arange's start":
+            return y + torch.arange(y.shape[0], y.shape[0] + 6, device=y.device)
+        if self.kind == "a reversed arange":
+            return y * torch.arange(y.shape[0] - 1, -1, -1, device=y.device).unsqueeze(1)
         return torch.cumsum(y, 0)
 
 
 @pytest.mark.parametrize("kind", ["mean over the batch", "the batch size as a number", "batch norm in training",
-                                  "integer division", "dropout", "a row index", "cumsum over the batch"])
+                                  "integer division", "dropout", "a row index", "cumsum over the batch",
+                                  "the batch size as a fill value", "the batch size as arange's start",
+                                  "a reversed arange"])
 def test_graphs_that_mix_rows_keep_exact_batch_sizes(kind):
     from torch_pjrt import _compile
 

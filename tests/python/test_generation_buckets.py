@@ -172,6 +172,25 @@ def test_row_cats_of_several_leading_dims_pieces_at_offsets_and_floats(mode):
         torch.testing.assert_close(a_, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_capacity_view_and_a_plain_view_of_equal_metadata(mode):
+    # Same sizes, strides, offset and storage extent: the capacity storage's view reads at runtime strides,
+    # the plain one at static strides, so their ops must not share a plan.
+    def views(device):
+        ids = torch.cat([torch.arange(78, device=device).view(2, 39), torch.full((2, 1), 7, device=device)], 1)
+        base = torch.arange(128, device=device) * 10  # 128 elements: the capacity of ids
+        return ids[:, -1:], base[:80].view(2, 40)[:, -1:]
+
+    a, b = views("cpu")
+    expected = [a + 5, (b + 5) * 2, b + 5, (a + 5) * 2]
+    with torch_pjrt.mode(mode):
+        a, b = views("tpu")
+        assert a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+        got = [(a + 5).cpu(), ((b + 5) * 2).cpu(), (b + 5).cpu(), ((a + 5) * 2).cpu()]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 def test_batched_append_inside_a_bucket_compiles_nothing(mode):
     with torch_pjrt.mode(mode):
