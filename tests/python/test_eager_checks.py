@@ -99,9 +99,21 @@ OVERLAP_CASES = {
 }
 
 
+# Full aliasing that ATen lets through to BLAS: the CPU's values depend on its BLAS kernel (one machine's
+# MKL zero-fills the output before reading the aliased inputs, another's reads them first), so only the
+# outcome (no error, the shape and dtype) is PyTorch's behaviour; the device computes from the inputs.
+BLAS_ALIASING = {"mm_out_self"}
+
+
 @pytest.mark.parametrize("name", list(OVERLAP_CASES))
 def test_memory_overlap_matches_cpu(name):
-    assert_same_outcome(OVERLAP_CASES[name])
+    if name not in BLAS_ALIASING:
+        return assert_same_outcome(OVERLAP_CASES[name])
+    expected, actual = outcome(OVERLAP_CASES[name], "cpu"), outcome(OVERLAP_CASES[name], DEVICE)
+    assert expected[0] == actual[0] == "ok"
+    assert [(t.shape, t.dtype) for t in actual[1]] == [(t.shape, t.dtype) for t in expected[1]]
+    x = torch.arange(4.0).view(2, 2)
+    torch.testing.assert_close(actual[1][0], x @ x)
 
 
 DTYPE_CASES = {

@@ -541,15 +541,21 @@ std::vector<Value> lower_batch_norm(Context& c) {
   if (c.has("weight")) y = mul(c.b, y, per_channel(c.b, input(c, "weight", e), x.dims()));
   if (c.has("bias")) y = add(c.b, y, per_channel(c.b, input(c, "bias", e), x.dims()));
   // Eval mode saves nothing (empty tensors on the CPU) and leaves the running stats.
-  std::vector<Value> out{y, training ? c.b.reshape(mean, c.output(1).dims) : c.b.constant(0, e, c.output(1).dims),
-                         training ? c.b.reshape(invstd, c.output(2).dims) : c.b.constant(0, e, c.output(2).dims)};
+  // The saved stats in the meta kernel's dtype: float32 for native_batch_norm, the input's for its functional forms.
+  auto saved = [&](const Value& v, size_t k) {
+    const OutputMeta& m = c.output(k);
+    return training ? c.b.convert(c.b.reshape(v, m.dims), m.element) : c.b.constant(0, m.element, m.dims);
+  };
+  std::vector<Value> out{c.b.convert(y, c.output(0).element), saved(mean, 1), saved(invstd, 2)};
   double n = static_cast<double>(x.type.element_count() / std::max<int64_t>(1, x.dims()[1]));
   auto update = [&](Value running, Value batch) {
     if (!training) return running;
     return add(c.b, mul(c.b, running, full(c.b, 1 - momentum, running)), mul(c.b, batch, full(c.b, momentum, batch)));
   };
-  if (rm) out.push_back(update(*rm, mean));
-  if (rv) out.push_back(update(*rv, mul(c.b, var, full(c.b, n / std::max(1.0, n - 1), var))));
+  if (rm) out.push_back(c.b.convert(update(*rm, mean), c.tensor_element("running_mean")));
+  if (rv)
+    out.push_back(c.b.convert(update(*rv, mul(c.b, var, full(c.b, n / std::max(1.0, n - 1), var))),
+                              c.tensor_element("running_var")));
   return out;
 }
 
@@ -773,8 +779,8 @@ void register_nn(Table& t) {
            {"_thnn_fused_gru_cell", lower_gru_cell}, {"_thnn_fused_gru_cell_backward", lower_gru_cell_backward}})
     add_lowering(t, name, fn);
   add_lowering(t, "native_batch_norm", lower_batch_norm, false, {"running_mean", "running_var"});
-  // The functional forms torch.compile's graphs use; the first one's schema marks the running stats written.
-  add_lowering(t, "_native_batch_norm_legit", lower_batch_norm);
+  // Inference batch norm in torch.compile's graphs. (_native_batch_norm_legit stays on the CPU: its CPU kernel
+  // returns saved stats in the input's dtype, and empty ones in eval mode, where its meta kernel says float32 [C].)
   add_lowering(t, "_native_batch_norm_legit_no_training", lower_batch_norm_no_training);
 }
 
