@@ -129,7 +129,16 @@ def test_gelu_at_infinities(mode, dtype, approximate):
         y.backward(torch.ones_like(y))
         return y, t.grad
 
-    check(mode, fwd_bwd, x)
+    if approximate != "none":
+        return check(mode, fwd_bwd, x)
+    # The CPU's erf-gelu at +inf is NaN in its vectorized loop and inf in its scalar tail (a 1-element float32
+    # tensor gives inf, an 8-element one NaN; float16 differs by machine): the other points against the CPU,
+    # +inf against either of its answers.
+    check(mode, fwd_bwd, x[1:])
+    with torch_pjrt.mode(mode):
+        y, grad = [t.cpu().float() for t in fwd_bwd(x[:1].to("tpu"))]
+    assert y.isnan().all() or (y == INF).all(), y
+    assert grad.isnan().all() or (grad == 1).all(), grad
 
 
 @pytest.mark.parametrize("mode", MODES)
