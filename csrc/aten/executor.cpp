@@ -484,8 +484,8 @@ class CallContext final : public lowering::Context {
     return static_cast<int64_t>(keyed_extent(storage_state(t.storage())) / t.element_size());
   }
 
-  int64_t flat_capacity() const override { return flat_cat_capacity(call_); }
-  int64_t flat_rows() const override { return flat_cat_rows(call_); }
+  int64_t flat_capacity() const override { return flat_cat_of(call_).capacity; }
+  int64_t flat_rows() const override { return flat_cat_of(call_).rows; }
   std::vector<FlatPiece> flat_pieces(std::string_view name) override {
     const bool rows = flat_rows() > 1;
     int i = index(name);
@@ -1294,12 +1294,12 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
   // torch.set_float32_matmul_precision: how float32 dots and convolutions compute.
   kb.key += static_cast<char>('0' + static_cast<int>(float32_precision()));
-  int64_t flat_capacity = flat_cat_capacity(call);
-  if (flat_capacity > 0) {
+  const FlatCat flat = flat_cat_of(call);
+  if (flat.capacity > 0) {
     kb.shapeless = true;
     kb.key += "flat";
-    kb.num(flat_capacity);
-    kb.num(flat_cat_rows(call));  // sizes stay out of the key, the lowering depends on the row count
+    kb.num(flat.capacity);
+    kb.num(flat.rows);  // sizes stay out of the key, the lowering depends on the row count
   }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
@@ -1334,7 +1334,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     ++metrics().op_cache_misses;
     try {
       cached = plan(call, *entry);
-      cached->flat_capacity = flat_capacity;
+      cached->flat_capacity = flat.capacity;
     } catch (const lowering::Unsupported& e) {
       *why = e.what();
       return false;
@@ -1603,7 +1603,7 @@ constexpr int64_t kMinFlatCapacity = 64;
 constexpr int64_t kMaxRowCatElements = int64_t{1} << 16;
 
 namespace {
-// The cat's pieces when they qualify (see flat_cat_capacity), with its dim.
+// The cat's pieces when they qualify (see flat_cat_of), with its dim.
 std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const Call& call) {
   if (op_name(call.schema) != "aten::cat" || !call.args[0].isTensorList()) return std::nullopt;
   auto list = call.args[0].toTensorList();
@@ -1625,26 +1625,19 @@ std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const C
 }
 }  // namespace
 
-int64_t flat_cat_rows(const Call& call) {
+FlatCat flat_cat_of(const Call& call) {
   auto pieces = flat_cat_pieces(call);
-  if (!pieces) return 0;
-  int64_t rows = 1;
-  for (int64_t d = 0; d < pieces->second; ++d) rows *= pieces->first.get(0).size(d);
-  return rows;
-}
-
-int64_t flat_cat_capacity(const Call& call) {
-  auto pieces = flat_cat_pieces(call);
-  if (!pieces) return 0;
-  int64_t total = 0;
+  if (!pieces) return {};
+  const at::Tensor first = pieces->first.get(0);
+  int64_t rows = 1, total = 0;
+  for (int64_t d = 0; d < pieces->second; ++d) rows *= first.size(d);
   for (const at::Tensor& t : pieces->first) total += t.numel();
-  if (flat_cat_rows(call) > 1) {
-    at::ScalarType dtype = pieces->first.get(0).scalar_type();
-    if (at::isFloatingType(dtype) || at::isComplexType(dtype) || total > kMaxRowCatElements) return 0;
-  }
+  if (rows > 1 &&
+      (at::isFloatingType(first.scalar_type()) || at::isComplexType(first.scalar_type()) || total > kMaxRowCatElements))
+    return {};
   int64_t capacity = kMinFlatCapacity;
   while (capacity < total) capacity *= 2;
-  return capacity;
+  return {capacity, rows};
 }
 
 // A flat cat's result: sizes from this call, a buffer of `capacity` elements.

@@ -197,11 +197,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     if (ref.kind != OperandRef::Storage) {
       pjrt::BufferPtr buffer = operand_buffer(call, ref);
       const int next = static_cast<int>(g.operands.size());
-      const bool metadata = ref.kind == OperandRef::Offset || ref.kind == OperandRef::Stride ||
-                            ref.kind == OperandRef::Position || ref.kind == OperandRef::Length;
       int id = next;
       bool fresh = true;
-      if (metadata) {
+      if (is_tensor_metadata(ref.kind)) {
         const StorageState* owner = &storage_state(item_tensor(call.args[ref.arg], ref.item).storage());
         auto found = g.operand_of_metadata.emplace(std::make_tuple(buffer.get(), static_cast<int>(ref.kind), owner), next);
         id = found.first->second;
@@ -822,9 +820,8 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
       plan->operand_input.push_back(-1);
       plan->operand_const.emplace_back();
       plan->operand_rng.push_back(g.operand_rng_count[k]);
-    } else if (g.operand_kind[k] == OperandRef::Scalar || g.operand_kind[k] == OperandRef::Offset ||
-               g.operand_kind[k] == OperandRef::Stride || g.operand_kind[k] == OperandRef::Position ||
-               g.operand_kind[k] == OperandRef::Length) {
+    } else if (g.operand_kind[k] == OperandRef::Scalar ||
+               is_tensor_metadata(static_cast<OperandRef::Kind>(g.operand_kind[k]))) {
       // Cached per value: the same buffer every call. A storage offset (a stride,
       // a flat cat's positions) inside the graph follows from the inputs'
       // metadata, which replay checks.

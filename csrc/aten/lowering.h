@@ -72,7 +72,7 @@ class Context {
   // advances by `count` so every draw is fresh and reproducible.
   virtual Value rng_state(int64_t count) = 0;
 
-  // A flat cat (executor.cpp, flat_cat_capacity): elements of its result's
+  // A flat cat (executor.cpp, flat_cat_of): elements of its result's
   // buffer (0: not one), its row count, and per piece its whole storage read
   // flat from the piece's start (values past the piece are whatever the
   // storage holds) with, for one row, its start in the result as a runtime

@@ -37,6 +37,11 @@ struct OperandRef {
   uint64_t count = 0;  // random numbers drawn, for Rng
   int dim = 0;         // for Stride
 };
+// A tensor argument's metadata (offset, stride, flat cat position or length): fixed by the inputs' metadata.
+inline bool is_tensor_metadata(OperandRef::Kind kind) {
+  return kind == OperandRef::Offset || kind == OperandRef::Stride || kind == OperandRef::Position ||
+         kind == OperandRef::Length;
+}
 
 struct OutputPlan {
   bool absent = false;  // an undefined tensor (a gradient output_mask turned off)
@@ -67,7 +72,7 @@ struct CachedOp {
   // torch.get_float32_matmul_precision() when planned (part of the op's key).
   lowering::Builder::Precision float32_precision = lowering::Builder::Precision::Highest;
   bool outputs_empty = false;  // every output has zero elements: nothing to run
-  // A flat cat (flat_cat_capacity): its result's buffer holds this many
+  // A flat cat (flat_cat_of): its result's buffer holds this many
   // elements, and its sizes come from each call, not from the plan. 0: no.
   int64_t flat_capacity = 0;
   std::string unsupported;  // set when lowering failed: the op always falls back
@@ -188,12 +193,14 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
 // Storage operands: the caller holds storage_mutex().
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
-// Elements of a flat cat's result buffer (0: the call is not one). A flat cat
-// is `aten::cat` of contiguous tpu pieces of one dtype: with only size-1 dims
+// A flat cat is `aten::cat` of contiguous tpu pieces of one dtype: with only size-1 dims
 // before its dim, its result is the pieces' flat concatenation; otherwise
 // each of its rows (the product of those dims) is the rows' concatenation.
-int64_t flat_cat_capacity(const Call& call);
-int64_t flat_cat_rows(const Call& call);  // that product (1: one flat row)
+struct FlatCat {
+  int64_t capacity = 0;  // elements of its result's buffer; 0: the call is not a flat cat
+  int64_t rows = 1;      // the product of the dims before the cat dim (1: one flat row)
+};
+FlatCat flat_cat_of(const Call& call);
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt
