@@ -214,6 +214,12 @@ def _symbol_of(size):
     return node.expr if node is not None else None
 
 
+def _depends(size, symbol) -> bool:
+    """A size (or symbolic number) that is a function of the symbol."""
+    expr = _symbol_of(size)
+    return expr is not None and symbol in expr.free_symbols
+
+
 def _batch_symbol(gm):
     """The symbol every tensor carries only as a factor of dim 0, if the graph keeps its rows apart; else None."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -234,17 +240,12 @@ def _batch_symbol(gm):
                 if not _batch_dims_ok(val, symbol):
                     return None  # an input with the batch in another dim (it would not be padded)
                 continue
-            expr = _symbol_of(val)
-            if expr is not None and symbol in expr.free_symbols and expr != symbol:
+            if _depends(val, symbol) and _symbol_of(val) != symbol:
                 return None  # an int argument that is a function of the batch
             continue
         if n.op == "output":
-            for out in n.args[0]:
-                out_val = out.meta.get("val") if isinstance(out, torch.fx.Node) else out
-                if not isinstance(out_val, torch.Tensor) and out_val is not None:
-                    expr = _symbol_of(out_val)
-                    if expr is not None and symbol in expr.free_symbols:
-                        return None  # an int output that depends on the batch
+            if _mentions(list(n.args[0]), symbol):
+                return None  # an int output that depends on the batch
             continue
         if n.op != "call_function":
             return None
@@ -257,16 +258,12 @@ def _batch_dims_ok(val, symbol) -> bool:
     """The batch symbol appears only in dim 0, as a factor of it."""
     vals = val if isinstance(val, (tuple, list)) else [val]
     for v in vals:
-        if v is None or not isinstance(v, torch.Tensor):
-            expr = _symbol_of(v) if v is not None else None
-            if expr is not None and symbol in expr.free_symbols:
+        if not isinstance(v, torch.Tensor):
+            if _depends(v, symbol):
                 return False
             continue
         for d, size in enumerate(v.shape):
-            expr = _symbol_of(size)
-            if expr is None or symbol not in expr.free_symbols:
-                continue
-            if d != 0 or symbol in (expr / symbol).free_symbols:
+            if _depends(size, symbol) and (d != 0 or symbol in (_symbol_of(size) / symbol).free_symbols):
                 return False
     return True
 
@@ -308,12 +305,11 @@ def _rows_kept(node, symbol) -> bool:
                 return False
         return True
     if name in ("mm", "addmm"):
-        other = args[-1]  # mat2 carries no batch
-        return not (isinstance(other, torch.fx.Node) and not _batch_dims_ok_free(other, symbol))
+        return not _carries(args[-1], symbol)  # mat2 carries no batch
     if name == "embedding":
-        return _batch_dims_ok_free(args[0], symbol)
+        return not _carries(args[0], symbol)  # the table
     if name == "convolution":
-        return _batch_dims_ok_free(args[1], symbol)
+        return not _carries(args[1], symbol)  # the weight
     if name in _ROW_VIEWS or name in _DIM_OPS:
         dims = _dims_of(node, name)
         return dims is not None and 0 not in dims
@@ -328,23 +324,13 @@ def _whole_slice(args) -> bool:
     return dim == 0 and start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
-def _batch_dims_ok_free(node, symbol) -> bool:
-    """The argument does not carry the batch at all."""
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return True
-    return all(_symbol_of(s) is None or symbol not in _symbol_of(s).free_symbols for s in val.shape)
-
-
 def _carries(value, symbol) -> bool:
     """A tensor (or a node or list of them) with the batch in its shape."""
     if isinstance(value, (list, tuple)):
         return any(_carries(v, symbol) for v in value)
     if isinstance(value, torch.fx.Node):
         value = value.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return False
-    return any(_symbol_of(s) is not None and symbol in _symbol_of(s).free_symbols for s in value.shape)
+    return isinstance(value, torch.Tensor) and any(_depends(s, symbol) for s in value.shape)
 
 
 def _is_tensor_node(a) -> bool:
@@ -356,13 +342,8 @@ def _mentions(value, symbol) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_mentions(v, symbol) for v in value)
     if isinstance(value, torch.fx.Node):
-        val = value.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return False
-        expr = _symbol_of(val)
-        return expr is not None and symbol in expr.free_symbols
-    expr = _symbol_of(value)
-    return expr is not None and symbol in expr.free_symbols
+        value = value.meta.get("val")
+    return not isinstance(value, torch.Tensor) and _depends(value, symbol)
 
 
 def _dims_of(node, name):
@@ -413,9 +394,8 @@ class _BatchBuckets:
         for i, n in enumerate(placeholders):
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor):
-                expr = _symbol_of(val.shape[0]) if val.dim() > 0 else None
-                if expr is not None and symbol in expr.free_symbols:
-                    self.padded[i] = expr / symbol
+                if val.dim() > 0 and _depends(val.shape[0], symbol):
+                    self.padded[i] = _symbol_of(val.shape[0]) / symbol
             else:
                 expr = _symbol_of(val)
                 if expr is not None and expr.is_Symbol:
@@ -425,8 +405,8 @@ class _BatchBuckets:
         self.cut = []  # per output: dim 0 / batch, or None
         for out in output.args[0]:
             val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
-            expr = _symbol_of(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() > 0 else None
-            self.cut.append(expr / symbol if expr is not None and symbol in expr.free_symbols else None)
+            batched = isinstance(val, torch.Tensor) and val.dim() > 0 and _depends(val.shape[0], symbol)
+            self.cut.append(_symbol_of(val.shape[0]) / symbol if batched else None)
 
     def pad(self, args):
         """(the arguments at the bucket, the real batch, the sizes), or None to run at the exact size."""

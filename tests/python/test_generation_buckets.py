@@ -37,6 +37,15 @@ def run_both(fn, *args):
     return expected, [a.cpu() for a in actual]
 
 
+def assert_exact_in(mode, fn, *args):
+    """fn's results in `mode` on tpu equal the CPU's exactly: values, dtypes, shapes."""
+    with torch_pjrt.mode(mode):
+        expected, actual = run_both(fn, *args)
+    for e, a in zip(expected, actual):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 # ---- flat cats -----------------------------------------------------------------------------------------------
 
 
@@ -53,10 +62,7 @@ def test_append_loop_matches_cpu_across_buckets(mode):
             lasts.append(x[:, -1:] * 2)
         return [x, torch.cat(lasts, dim=0)]
 
-    with torch_pjrt.mode(mode):
-        expected, actual = run_both(grow, start, steps)
-    for e, a in zip(expected, actual):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_exact_in(mode, grow, start, steps)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -72,11 +78,7 @@ def test_flat_cat_pieces_at_offsets_shared_and_dtypes(mode):
     big = torch.arange(10, dtype=torch.float32).reshape(1, 10) * 1.5
     flags = torch.tensor([True, False, True, True, False])
     half = torch.randn(5, dtype=torch.float16)
-    with torch_pjrt.mode(mode):
-        expected, actual = run_both(pieces, big, flags, half)
-    for e, a in zip(expected, actual):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_exact_in(mode, pieces, big, flags, half)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -147,11 +149,7 @@ def test_row_cats_match_cpu_across_buckets(mode):
                 x[1:, -1:].add_(1)      # in place, at an offset and a runtime stride
         return [x, mask, torch.cat(lasts, dim=1), x[:, ::3], x.t().contiguous(), x[:, 1:-1].sum(1)]
 
-    with torch_pjrt.mode(mode):
-        expected, actual = run_both(grow, start, steps)
-    for e, a in zip(expected, actual):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert_exact_in(mode, grow, start, steps)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -165,11 +163,7 @@ def test_row_cats_of_several_leading_dims_pieces_at_offsets_and_floats(mode):
     a = torch.randint(-50, 50, (2, 3, 4))
     b = torch.randint(-50, 50, (2, 3, 5))
     f = torch.randn(4, 6)
-    with torch_pjrt.mode(mode):
-        expected, actual = run_both(pieces, a, b, f)
-    for e, a_ in zip(expected, actual):
-        assert a_.dtype == e.dtype and a_.shape == e.shape
-        torch.testing.assert_close(a_, e, rtol=0, atol=0)
+    assert_exact_in(mode, pieces, a, b, f)
 
 
 @pytest.mark.parametrize("mode", MODES)
