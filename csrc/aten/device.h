@@ -25,6 +25,9 @@ struct StorageState {
   // `cat`'s result, rounded up to a power of two) so that a growing sequence
   // keeps one program per capacity bucket. 0: none. Reads use the prefix.
   size_t capacity = 0;
+  // Made by `aten::cat`: a sequence that may grow by a cat per step. A float
+  // cat of several rows that extends it writes a capacity storage (executor.cpp, flat_cat_of).
+  bool grown = false;
   int device = 0;
   // Fused/lazy modes: a recorded op writes this storage; its buffer (a flat
   // `pending_count` x `pending_element`) arrives when the graph runs.

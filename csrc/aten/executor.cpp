@@ -380,6 +380,10 @@ MetaResult infer_meta(const Call& call) {
       r.absent.push_back(true);
       r.strides.emplace_back();
       r.return_counts.push_back(0);
+    } else if (v.isInt()) {
+      // A number the meta kernel derives from shapes (attention's max_q, max_k): fixed by the op's key.
+      r.numbers.push_back(v.toInt());
+      r.return_counts.push_back(kNumberReturn);
     } else {
       throw lowering::Unsupported("returns a non-tensor value");
     }
@@ -507,6 +511,37 @@ class CallContext final : public lowering::Context {
       pieces.push_back(FlatPiece{data, start, length});
     }
     return pieces;
+  }
+
+  std::optional<Padded> padded(std::string_view name, int64_t dim) override {
+    int i = index(name);
+    if (!call_.args[i].isTensor()) return std::nullopt;
+    const at::Tensor& t = call_.args[i].toTensor();
+    if (!t.defined() || t.device().type() != kTpu || t.dim() == 0 || t.numel() == 0 || !t.is_contiguous() ||
+        t.storage_offset() != 0 || t.is_conj() || t.is_neg() || storage_state(t.storage()).capacity == 0)
+      return std::nullopt;
+    dim = lowering::wrap_dim(dim, t.dim());
+    int64_t rows = 1, inner = 1;
+    for (int64_t d = 0; d < dim; ++d) rows *= t.size(d);
+    for (int64_t d = dim + 1; d < t.dim(); ++d) inner *= t.size(d);
+    const int64_t count = storage_count(t), bound = count / (rows * inner);
+    if (bound < t.size(dim)) return std::nullopt;
+    // Element (r, s, j) of the [rows, size, inner] tensor sits at (r * size + s) * inner + j: in bounds
+    // for every s < bound, since rows * bound * inner <= count.
+    const ElementType s64 = ElementType::S64;
+    Value size = runtime_int(OperandRef{OperandRef::Size, i, -1, s64, 0, static_cast<int>(dim)});
+    const lowering::Dims block{rows, bound, inner};
+    auto spread = [&](const Value& scalar) { return b.broadcast_in_dim(scalar, block, {}); };
+    Value row = b.iota(lowering::TensorType{s64, block}, 0), lane = b.iota(lowering::TensorType{s64, block}, 1);
+    Value source = b.binary("add", b.binary("multiply", b.binary("add", b.binary("multiply", row, spread(size)), lane),
+                                            b.constant_int(inner, s64, block)),
+                            b.iota(lowering::TensorType{s64, block}, 2));
+    Value flat = graph::storage_as(b, storage_param(t, i, -1), element_or_throw(t.scalar_type()), count);
+    Value values = b.gather(flat, b.reshape(source, {rows, bound, inner, 1}),
+                            lowering::Builder::GatherDims{{}, {0}, {}, {}, {0}, 3}, {1}, block);
+    lowering::Dims dims(t.sizes().begin(), t.sizes().end());
+    dims[dim] = bound;
+    return Padded{b.reshape(values, dims), size};
   }
 
   Value value_of(const at::Tensor& t, int arg, int item) {
@@ -945,6 +980,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     if (is_complex(o.element) && !entry.complex) cached->unsupported = "no complex lowering";
   const MetaResult& meta = cached->meta;
   cached->return_counts = meta.return_counts;
+  cached->cat = op_name(call.schema) == "aten::cat";
   size_t first_written = meta.outputs.size() - call.written.size();
   for (size_t i = 0; i < meta.outputs.size(); ++i) {
     OutputPlan p;
@@ -1566,6 +1602,8 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
       return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).stride(ref.dim), ElementType::S64, call.device);
     case OperandRef::Length:
       return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).numel(), ElementType::S64, call.device);
+    case OperandRef::Size:
+      return scalar_buffer(item_tensor(call.args[ref.arg], ref.item).size(ref.dim), ElementType::S64, call.device);
     case OperandRef::Position: {
       int64_t start = 0;
       for (int k = 0; k < ref.item; ++k) start += item_tensor(call.args[ref.arg], k).numel();
@@ -1595,9 +1633,11 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
 // reuses every program.
 //
 // Several rows (a batch of sequences each growing by a column: input_ids,
-// attention_mask) cost a gather and a scatter instead of XLA's concatenate,
-// so only small integer or bool tensors (the bookkeeping generation grows per
-// token) take that path; activations (a rotary embedding's halves) keep the
+// attention_mask; a KV cache [batch, heads, length, width]) cost a gather and
+// a scatter instead of XLA's concatenate, so only small integer or bool
+// tensors (the bookkeeping generation grows per token) and cats extending a
+// cat's result (StorageState::grown: a dynamic KV cache from its second step)
+// take that path; activations (a rotary embedding's halves) keep the
 // concatenate and exact-size buffers.
 constexpr int64_t kMinFlatCapacity = 64;
 constexpr int64_t kMaxRowCatElements = int64_t{1} << 16;
@@ -1632,9 +1672,14 @@ FlatCat flat_cat_of(const Call& call) {
   int64_t rows = 1, total = 0;
   for (int64_t d = 0; d < pieces->second; ++d) rows *= first.size(d);
   for (const at::Tensor& t : pieces->first) total += t.numel();
-  if (rows > 1 &&
-      (at::isFloatingType(first.scalar_type()) || at::isComplexType(first.scalar_type()) || total > kMaxRowCatElements))
+  if (rows > 1 && !at::isComplexType(first.scalar_type())) {
+    // Small integer or bool bookkeeping (input_ids, attention_mask), or a float sequence growing by a cat per step
+    // (a decoding KV cache): first a cat, then every later cat extends a capacity storage.
+    const bool bookkeeping = !at::isFloatingType(first.scalar_type()) && total <= kMaxRowCatElements;
+    if (!bookkeeping && !storage_state(first.storage()).grown) return {};
+  } else if (rows > 1) {
     return {};
+  }
   int64_t capacity = kMinFlatCapacity;
   while (capacity < total) capacity *= 2;
   return {capacity, rows};
@@ -1649,7 +1694,9 @@ at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
   sizes[dim] = 0;
   for (const at::Tensor& t : list) sizes[dim] += t.size(dim);
   at::Tensor out = at::empty(sizes, first.options());
-  storage_state(out.storage()).capacity = static_cast<size_t>(capacity) * out.element_size();
+  StorageState& st = storage_state(out.storage());
+  st.capacity = static_cast<size_t>(capacity) * out.element_size();
+  st.grown = true;
   return out;
 }
 
@@ -1663,14 +1710,19 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
     else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
     else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }
+  if (cached.cat && outs.size() == 1 && outs[0].defined() && !cached.outputs[0].write)
+    storage_state(outs[0].storage()).grown = true;
   return outs;
 }
 
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs) {
   torch::jit::drop(*stack, nargs);
   size_t next = 0;
+  size_t number = 0;
   for (int count : cached.return_counts) {
-    if (count == 1 || count == 0) {
+    if (count == kNumberReturn) {
+      stack->push_back(c10::IValue(cached.meta.numbers[number++]));
+    } else if (count == 1 || count == 0) {
       stack->push_back(outs[next++]);
     } else {
       std::vector<at::Tensor> list(outs.begin() + next, outs.begin() + next + (-count - 1));

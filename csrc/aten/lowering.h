@@ -87,6 +87,17 @@ class Context {
   virtual int64_t flat_rows() const { return 1; }
   virtual std::vector<FlatPiece> flat_pieces(std::string_view name) { return {}; }
 
+  // A tensor that grows along `dim` inside a capacity storage (a KV cache
+  // that row cats extend by a token per step), read with `dim` padded to the
+  // most the storage can hold: lanes past the true size hold other data, and
+  // the true size is a runtime s64[]. The program then depends on the
+  // storage's capacity, not the length. Nothing: not such a tensor.
+  struct Padded {
+    Value value;
+    Value size;
+  };
+  virtual std::optional<Padded> padded(std::string_view name, int64_t dim) { return std::nullopt; }
+
   // Declares a runtime check (see RuntimeCheck); the executor reports the
   // first one that fails, naming the op and the user's line.
   void check(RuntimeCheck c) { checks.push_back(std::move(c)); }
@@ -141,6 +152,7 @@ void register_random(Table&);
 void register_amp(Table&);
 void register_optim(Table&);
 void register_moe(Table&);
+void register_attention(Table&);
 void register_complex(Table&);  // last: marks complex-capable lowerings of the other families
 void register_external(Table&);  // torch_pjrt::jax_call (external.cpp)
 

@@ -30,17 +30,18 @@ struct OperandRef {
   // Stride: its stride in dim `dim` (a strided view of a capacity storage).
   // Position: where item `item` of a flat cat's Tensor[] starts in its result (s64[]).
   // Length: item `item`'s element count (a flat cat of several rows).
-  enum Kind { Storage, Host, Scalar, Rng, Offset, Stride, Position, Length } kind;
+  // Size: its size in dim `dim` (a tensor read padded, Context::padded).
+  enum Kind { Storage, Host, Scalar, Rng, Offset, Stride, Position, Length, Size } kind;
   int arg = 0;
   int item = -1;  // index inside a Tensor[] argument, -1 for a plain Tensor
   ElementType element = ElementType::F32;
   uint64_t count = 0;  // random numbers drawn, for Rng
-  int dim = 0;         // for Stride
+  int dim = 0;         // for Stride and Size
 };
 // A tensor argument's metadata (offset, stride, flat cat position or length): fixed by the inputs' metadata.
 inline bool is_tensor_metadata(OperandRef::Kind kind) {
   return kind == OperandRef::Offset || kind == OperandRef::Stride || kind == OperandRef::Position ||
-         kind == OperandRef::Length;
+         kind == OperandRef::Length || kind == OperandRef::Size;
 }
 
 struct OutputPlan {
@@ -55,8 +56,12 @@ struct OutputPlan {
   std::vector<int64_t> strides;
 };
 
+// A return_counts entry for an int return (see MetaResult::numbers).
+constexpr int kNumberReturn = 2;
+
 struct MetaResult {
   std::vector<OutputMeta> outputs;
+  std::vector<int64_t> numbers;  // the int returns, in order: the meta kernel's values
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
@@ -75,10 +80,11 @@ struct CachedOp {
   // A flat cat (flat_cat_of): its result's buffer holds this many
   // elements, and its sizes come from each call, not from the plan. 0: no.
   int64_t flat_capacity = 0;
+  bool cat = false;  // aten::cat: its result is a grown storage (StorageState::grown)
   std::string unsupported;  // set when lowering failed: the op always falls back
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
-  std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined
+  std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined; kNumberReturn: an int
   // The runtime checks its lowering declares (null: none). Strict/debug: the
   // op's program returns their status after its outputs.
   CheckInfos checks;

@@ -36,6 +36,7 @@ const Table& table() {
     register_amp(t);
     register_optim(t);
     register_moe(t);
+    register_attention(t);
     register_external(t);
     register_complex(t);
     return t;
