@@ -549,7 +549,10 @@ class CallContext final : public lowering::Context {
     auto it = values_.find(key);
     if (it != values_.end()) return it->second;
     Value v;
-    if (t.device().type() == kTpu) {
+    if (meta_.capacity > 0 && t.device().type() == kTpu && t.dim() > 0) {  // capacity_elementwise_of: the whole buffer
+      if (storage_count(t) != meta_.capacity) throw lowering::Unsupported("internal: capacity mismatch");
+      v = graph::storage_as(b, storage_param(t, arg, item), element_or_throw(t.scalar_type()), meta_.capacity);
+    } else if (t.device().type() == kTpu) {
       graph::StridedView view = view_of(t, arg, item);
       Value flat = graph::storage_as(b, storage_param(t, arg, item), view.element, storage_count(t));
       v = read_through_bits(t, graph::read_view(b, flat, view));
@@ -621,6 +624,7 @@ class CallContext final : public lowering::Context {
   }
   lowering::Dims tensor_dims(std::string_view name) const override {
     auto s = arg(name).toTensor().sizes();
+    if (meta_.capacity > 0 && !s.empty()) return {meta_.capacity};
     return lowering::Dims(s.begin(), s.end());
   }
   size_t output_count() const override { return meta_.outputs.size(); }
@@ -1006,6 +1010,16 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   b.set_float32_precision(cached.float32_precision);
   std::vector<Value> results = cached.entry->fn(ctx);
   if (cached.flat_capacity > 0) return results;  // already the result's flat buffer, of its capacity
+  if (meta.capacity > 0) {  // whole flat buffers, written ones included
+    std::vector<Value> flats;
+    for (size_t i = 0; i < results.size() && i < meta.outputs.size(); ++i) {
+      if (cached.outputs[i].absent) continue;
+      Value r = b.convert(b.convert(results[i], meta.outputs[i].element), element_or_throw(cached.outputs[i].dtype));
+      if (r.dims() != lowering::Dims{meta.capacity}) r = lowering::broadcast_to(b, r, {meta.capacity});
+      flats.push_back(r);
+    }
+    return flats;
+  }
   if (results.size() != meta.outputs.size())
     throw lowering::Unsupported("internal: lowering returned " + std::to_string(results.size()) + " values, expected " +
                                 std::to_string(meta.outputs.size()));
@@ -1331,11 +1345,16 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   // torch.set_float32_matmul_precision: how float32 dots and convolutions compute.
   kb.key += static_cast<char>('0' + static_cast<int>(float32_precision()));
   const FlatCat flat = flat_cat_of(call);
+  const int64_t elementwise_capacity = flat.capacity > 0 ? 0 : capacity_elementwise_of(call, *entry);
   if (flat.capacity > 0) {
     kb.shapeless = true;
     kb.key += "flat";
     kb.num(flat.capacity);
     kb.num(flat.rows);  // sizes stay out of the key, the lowering depends on the row count
+  } else if (elementwise_capacity > 0) {
+    kb.shapeless = true;  // every tensor is 0-d or of one shape, whole buffers of this capacity
+    kb.key += "cap";
+    kb.num(elementwise_capacity);
   }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
@@ -1371,6 +1390,10 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     try {
       cached = plan(call, *entry);
       cached->flat_capacity = flat.capacity;
+      if (elementwise_capacity > 0) {
+        cached->meta.capacity = elementwise_capacity;
+        for (OutputMeta& o : cached->meta.outputs) o.dims = {elementwise_capacity};
+      }
     } catch (const lowering::Unsupported& e) {
       *why = e.what();
       return false;
@@ -1388,7 +1411,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     *why = cached->unsupported;
     return false;
   }
-  resize_outputs(call, cached->outputs);
+  if (cached->meta.capacity == 0) resize_outputs(call, cached->outputs);  // capacity: written tensors keep their sizes
+  else adopt_capacity(call, cached->meta.capacity);
   if (cached->outputs_empty) {  // XLA rejects some zero-sized windows and gathers
     push_returns(stack, nargs, *cached, output_tensors(call, *cached));
     return true;
@@ -1685,6 +1709,90 @@ FlatCat flat_cat_of(const Call& call) {
   return {capacity, rows};
 }
 
+// ---- elementwise ops over capacity storages ----
+// Generation computes on its growing bookkeeping too: `attention_mask.bool()`,
+// `cumsum(-1) - 1`, `masked_fill_`. An elementwise op over whole capacity
+// storages runs on their whole buffers (the padding past the logical size
+// computes garbage that nothing reads), so its program depends on the
+// capacity alone and its results are capacity storages.
+int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry) {
+  if (!entry.elementwise) return 0;
+  int64_t capacity = 0;
+  const at::Tensor* shape = nullptr;
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    const c10::IValue& v = call.args[i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined() || t.dim() == 0) continue;  // 0-d values broadcast
+      if (t.device().type() != kTpu) return 0;
+      const StorageState& st = storage_state(t.storage());
+      if (!t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() || t.is_neg()) return 0;
+      if (shape && !t.sizes().equals(shape->sizes())) return 0;
+      if (!shape) shape = &t;
+      if (st.capacity == 0) {
+        // A destination made for the result (`x.bool()`: empty, then copy_) becomes a capacity storage (adopt_capacity).
+        bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+        if (!written || storage_type(st)) return 0;
+        continue;
+      }
+      const int64_t elements = static_cast<int64_t>(st.capacity / t.element_size());
+      if (capacity == 0) capacity = elements;
+      else if (elements != capacity) return 0;
+    } else if (v.isList() || v.isTensorList()) {
+      return 0;
+    } else if (v.isDevice()) {
+      if (v.toDevice().type() != kTpu) return 0;
+    } else if (!v.isNone() && call.schema.arguments()[i].name() == "memory_format") {
+      auto format = v.toMemoryFormat();
+      if (format != c10::MemoryFormat::Contiguous && format != c10::MemoryFormat::Preserve) return 0;
+    }
+  }
+  if (capacity == 0) return 0;
+  // A written tensor covers its storage's whole logical size: past it the buffer is padding, free to overwrite.
+  for (int w : call.written) {
+    const at::Tensor& t = call.args[w].toTensor();
+    if (t.dim() == 0 || static_cast<size_t>(t.nbytes()) != storage_state(t.storage()).nbytes) return 0;
+  }
+  return capacity;
+}
+
+// Gives the written tensors that are not capacity storages yet (fresh, never
+// written) the op's capacity, once its plan is known to run on the device.
+void adopt_capacity(Call& call, int64_t capacity) {
+  for (int w : call.written) {
+    const at::Tensor& t = call.args[w].toTensor();
+    StorageState& st = storage_state(t.storage());
+    if (st.capacity > 0) continue;
+    st.capacity = static_cast<size_t>(capacity) * t.element_size();
+    if (KeyedStorage* keyed = find_keyed(call, &st)) keyed->extent = extent_bytes(st);
+  }
+}
+
+namespace {
+// Its new results: the shape of this call's tensors, buffers of the plan's capacity.
+std::vector<at::Tensor> capacity_elementwise_outputs(const Call& call, const CachedOp& cached) {
+  std::vector<int64_t> sizes;
+  for (const c10::IValue& v : call.args)
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().dim() > 0) {
+      sizes = v.toTensor().sizes().vec();
+      break;
+    }
+  std::vector<at::Tensor> outs;
+  for (const OutputPlan& p : cached.outputs) {
+    if (p.absent) {
+      outs.emplace_back();
+    } else if (p.write) {
+      outs.push_back(item_tensor(call.args[p.arg], p.item));
+    } else {
+      at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device));
+      storage_state(out.storage()).capacity = static_cast<size_t>(cached.meta.capacity) * out.element_size();
+      outs.push_back(out);
+    }
+  }
+  return outs;
+}
+}  // namespace
+
 // A flat cat's result: sizes from this call, a buffer of `capacity` elements.
 at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
   auto list = call.args[0].toTensorList();
@@ -1703,6 +1811,7 @@ at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
 // The op's outputs: written arguments, or new tensors on the call's device.
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
   if (cached.flat_capacity > 0) return {flat_cat_output(call, cached.flat_capacity)};
+  if (cached.meta.capacity > 0) return capacity_elementwise_outputs(call, cached);
   std::vector<at::Tensor> outs;
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();

@@ -119,6 +119,10 @@ struct LoweringEntry {
   // Handles complex inputs and results. Others never see them: the executor
   // sends such calls to the CPU (lowerings/complex.cpp lists the ones that do).
   bool complex = false;
+  // Each result element depends only on the inputs' elements at its position
+  // (no reductions, no runtime checks): over whole capacity storages it runs
+  // on their whole buffers (executor.cpp, capacity_elementwise_of).
+  bool elementwise = false;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -140,6 +144,7 @@ Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
 void allow_complex(Table& table, const std::string& name);  // the lowering handles complex values
+void mark_elementwise(Table& table, const std::string& name);  // see LoweringEntry::elementwise
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
                   std::vector<std::string> extra_writes = {}, std::vector<std::string> runtime_floats = {});
 void register_pointwise(Table&);

@@ -62,6 +62,9 @@ constexpr int kNumberReturn = 2;
 struct MetaResult {
   std::vector<OutputMeta> outputs;
   std::vector<int64_t> numbers;  // the int returns, in order: the meta kernel's values
+  // An elementwise op over capacity storages (capacity_elementwise_of): its tensors are read, and its outputs
+  // made and written, as flat buffers of this many elements. 0: no.
+  int64_t capacity = 0;
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
@@ -207,6 +210,12 @@ struct FlatCat {
   int64_t rows = 1;      // the product of the dims before the cat dim (1: one flat row)
 };
 FlatCat flat_cat_of(const Call& call);
+// An elementwise op (LoweringEntry::elementwise) whose tensors are 0-d or whole
+// capacity storages of one element capacity and one shape: that capacity (its
+// program computes over the whole buffers, its results are capacity storages);
+// 0 otherwise.
+int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry);
+void adopt_capacity(Call& call, int64_t capacity);  // its fresh written tensors become capacity storages
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt

@@ -51,6 +51,40 @@ Value row_cat(Builder& b, const std::vector<Context::FlatPiece>& pieces, int64_t
   return b.slice(out, {0}, {capacity}, {1});
 }
 
+// F.pad(x, pad, value="constant"): pairs (low, high) from the last dim back;
+// negative amounts cut. One op instead of PyTorch's composite (empty, fill_,
+// a copy into a narrowed view), whose view shapes would hold the sizes.
+// A capacity input padded on its last dim only to a fixed width (generation
+// pads its growing attention mask to the static cache's length) is read
+// padded (Context::padded) and masked past its true length, so the program
+// does not depend on that length.
+std::vector<Value> lower_constant_pad_nd(Context& c) {
+  const OutputMeta& o = c.output(0);
+  const Dims pad = c.int_list("pad");
+  const int64_t rank = static_cast<int64_t>(c.tensor_dims("self").size());
+  if (pad.size() % 2 != 0 || static_cast<int64_t>(pad.size()) > 2 * rank)
+    throw Unsupported("constant_pad_nd: pad of odd length or more dims than the tensor");
+  Value value = c.b.convert(c.scalar("value", widen(o.element)), o.element);
+  if (rank > 0 && pad.size() == 2 && pad[0] == 0 && pad[1] >= 0) {
+    if (auto p = c.padded("self", rank - 1)) {
+      Value x = p->value;
+      const int64_t bound = x.dims().back(), width = o.dims.back();
+      Dims zeros(rank, 0), high(rank, 0);
+      high.back() = width - bound;  // negative: cut the block to the width
+      x = c.b.pad(x, value, zeros, high, zeros);
+      Value lane = c.b.iota(TensorType{ElementType::S64, o.dims}, rank - 1);
+      Value inside = c.b.compare(lane, c.b.broadcast_in_dim(p->size, o.dims, {}), hlo::Compare::LT);
+      return {c.b.select(inside, x, c.b.broadcast_in_dim(value, o.dims, {}))};
+    }
+  }
+  Dims low(rank, 0), high(rank, 0);
+  for (size_t k = 0; k < pad.size() / 2; ++k) {
+    low[rank - 1 - k] = pad[2 * k];
+    high[rank - 1 - k] = pad[2 * k + 1];
+  }
+  return {c.b.pad(c.tensor("self"), value, low, high, Dims(rank, 0))};
+}
+
 std::vector<Value> lower_cat(Context& c) {
   if (int64_t capacity = c.flat_capacity()) {
     int64_t rows = c.flat_rows();
@@ -185,7 +219,7 @@ void register_shape(Table& t) {
   add_lowering(t, "linspace", lower_linspace);
   add_lowering(t, "eye", lower_eye);
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"cat", lower_cat}, {"flip", lower_flip}, {"roll", lower_roll}, {"tril", lower_tril},
+           {"cat", lower_cat}, {"constant_pad_nd", lower_constant_pad_nd}, {"flip", lower_flip}, {"roll", lower_roll}, {"tril", lower_tril},
            {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
     add_lowering(t, name, fn);
 }

@@ -16,6 +16,12 @@ void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bak
   table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes), std::move(runtime_floats)};
 }
 
+void mark_elementwise(Table& table, const std::string& name) {
+  auto it = table.entries.find(name);
+  PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
+  it->second.elementwise = true;
+}
+
 void allow_complex(Table& table, const std::string& name) {
   auto it = table.entries.find(name);
   PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
