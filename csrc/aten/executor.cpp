@@ -1735,7 +1735,8 @@ int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry&
         if (!written || storage_type(st)) return 0;
         continue;
       }
-      const int64_t elements = static_cast<int64_t>(st.capacity / t.element_size());
+      // Its extent: a capacity storage resized past its capacity holds its new size.
+      const int64_t elements = static_cast<int64_t>(extent_bytes(st) / t.element_size());
       if (capacity == 0) capacity = elements;
       else if (elements != capacity) return 0;
     } else if (v.isList() || v.isTensorList()) {

@@ -11,7 +11,10 @@ extents and its result's power-of-two capacity; positions are runtime operands. 
   and first steps, then nothing), nor in a second generate() with the same lengths.
 - a batch of sequences (rows before the cat dim: `input_ids` of a batch) is a row cat of runtime lengths, and its
   strided views (`ids[:, -1:]`) take runtime strides: batched static-cache decoding compiles nothing per token either;
-- The default dynamic cache still compiles per token (its attention shapes grow with the sequence): bounded.
+- elementwise ops over growing tensors (a mask's `.bool()`, `masked_fill_`) keep capacity storages, and
+  `F.pad` of one to a fixed width reads it padded: left-padded batches decode with the static cache compiling nothing
+  per token; in-place ops on part of a growing tensor stay exact;
+- the dynamic KV cache compiles nothing per token inside a capacity bucket (attention over a padded cache).
 """
 import warnings
 
@@ -204,6 +207,66 @@ def test_batched_append_inside_a_bucket_compiles_nothing(mode):
     assert last.flatten().tolist() == [40] * 3 and x.shape == (3, 83)
 
 
+def grow_and_use(m0, steps, width):
+    """A growing int mask and what generation computes from it each step (CPU reference in the tests)."""
+    m, outs = m0, []
+    for s in range(steps):
+        m = torch.cat([m, torch.full((m.shape[0], 1), s % 2, dtype=m.dtype, device=m.device)], -1)
+        b = m.bool()
+        p = m * 3 - 1
+        p.masked_fill_(m == 0, 7)
+        padded = torch.nn.functional.pad(b, (0, width - m.shape[1]), value=True)
+        outs += [b, p, padded]
+    return outs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_elementwise_ops_on_growing_tensors_match_cpu(mode):
+    m0 = torch.ones(2, 5, dtype=torch.long)
+    m0[1, :2] = 0
+
+    def fn(m0):
+        outs = grow_and_use(m0, 70, 80)  # crosses capacities 64 and 128 (2 rows)
+        m = outs[-2]
+        m[:1].add_(5)  # in place on part of a growing tensor: only row 0 changes
+        part = m.clone()
+        m.add_(1)  # in place on the whole of it
+        return outs + [part, m]
+
+    assert_exact_in(mode, fn, m0)
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_elementwise_ops_on_growing_tensors_inside_a_bucket_compile_nothing(mode):
+    m0 = torch.ones(2, 34, dtype=torch.long)  # capacity 128 up to 64 columns
+    with torch_pjrt.mode(mode):
+        m = m0.to("tpu")
+        for _ in range(2):  # warm-up: the first capacity storages
+            m = torch.cat([m, m[:, -1:] * 1], -1)
+            [t.cpu() for t in grow_and_use(m, 1, 64)]
+        before = compiles()
+        for _ in range(20):
+            m = torch.cat([m, m[:, -1:] * 1], -1)
+            last = [t.cpu() for t in grow_and_use(m, 1, 64)]
+        assert compiles() == before, torch_pjrt.explain()
+    expected = grow_and_use(torch.ones(2, 56, dtype=torch.long), 1, 64)
+    for e, g in zip(expected, last):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_constant_pad_nd_matches_cpu(dtype, mode):
+    x = (torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    value = True if dtype == torch.bool else 2
+    pads = [(0, 3), (2, 1), (1, -2), (-1, -1, 2, 0), (1, 2, 3, 4, 0, 1), (0, 0), (-2, 4, 0, -1)]
+
+    def fn(x):
+        return [torch.nn.functional.pad(x, p, value=value) for p in pads] + [torch.nn.functional.pad(x, (1, 1))]
+
+    assert_exact_in(mode, fn, x)
+
+
 # ---- generate() ----------------------------------------------------------------------------------------------
 
 
@@ -305,3 +368,38 @@ def test_dynamic_cache_generation_compiles_nothing_inside_a_bucket(kind, mode):
     # The new length's prefill, first step (the prompt's key is a transposed view: an exact cat) and second
     # step (the first row cat) compile; every later token compiles nothing.
     assert counter.counts[-1] - counter.counts[2] == 0, (counter.counts, torch_pjrt.explain())
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_left_padded_static_cache_generation_compiles_nothing_per_token(kind, mode):
+    # Prompts of different lengths, left-padded: the attention mask has zeros, grows by a column per token (a row
+    # cat), and transformers pads its `.bool()` to the cache's length with F.pad each step.
+    pytest.importorskip("transformers")
+    model = tiny_model(kind)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+
+    def run(ids, mask, counter=None):
+        import transformers
+        kw = dict(max_new_tokens=3 * N, min_new_tokens=3 * N, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static", disable_compile=True)
+        if counter is not None:
+            kw["stopping_criteria"] = transformers.StoppingCriteriaList([counter])
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(ids, attention_mask=mask, **kw)
+        return out.sequences.cpu(), torch.stack([l.cpu() for l in out.logits])
+
+    expected = run(ids, mask)
+    model.to("tpu")
+    with torch_pjrt.mode(mode):
+        counter = CompileCounter()
+        got = run(ids.to("tpu"), mask.to("tpu"), counter)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+    per_token = counter.counts[-2] - counter.counts[3]
+    # The last token's mask fills the cache: that step is another graph (one op fewer), compiled once.
+    assert per_token == 0, (counter.counts, torch_pjrt.explain())
