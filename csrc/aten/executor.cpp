@@ -1717,6 +1717,14 @@ FlatCat flat_cat_of(const Call& call) {
 // capacity alone and its results are capacity storages.
 int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry) {
   if (!entry.elementwise) return 0;
+  bool any = false;  // most calls have no capacity storage: a cheap first pass
+  for (const c10::IValue& v : call.args)
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kTpu &&
+        storage_state(v.toTensor().storage()).capacity > 0) {
+      any = true;
+      break;
+    }
+  if (!any) return 0;
   int64_t capacity = 0;
   const at::Tensor* shape = nullptr;
   for (size_t i = 0; i < call.args.size(); ++i) {
