@@ -7,9 +7,10 @@
   the steady state); whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
 
 for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode, for one prompt
-and (static cache) a batch of 2 prompts (input_ids and attention_mask grow by a column per row: row cats).
+and (static cache) a batch of 2 prompts (input_ids and attention_mask grow by a column per row: row cats);
+`--left-pad` adds batches whose second prompt is 3 tokens shorter, left-padded (a mask with zeros), for both caches.
 
-    PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict] [--batches 1,2]
+    PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict] [--batches 1,2] [--left-pad]
 """
 import argparse
 import subprocess
@@ -46,13 +47,15 @@ class CompileCounter(transformers.StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run(model, ids, cache, tokens, sync):
+def run(model, ids, cache, tokens, sync, mask=None):
     counter = CompileCounter()
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
               stopping_criteria=transformers.StoppingCriteriaList([counter]))
     if cache == "static":
         kw.update(cache_implementation="static", disable_compile=True)
     start = time.perf_counter()
+    if mask is not None:
+        kw["attention_mask"] = mask
     with torch.no_grad():
         out = model.generate(ids, **kw)
     out = out.cpu()
@@ -60,23 +63,39 @@ def run(model, ids, cache, tokens, sync):
     return out, time.perf_counter() - start, counter.counts
 
 
-def measure(kind, cache, mode, tokens, batch=1):
+def left_padded(ids):
+    """The last prompt 3 tokens shorter, padded on the left: (ids, attention_mask)."""
+    ids, mask = ids.clone(), torch.ones_like(ids)
+    ids[-1, :3], mask[-1, :3] = 0, 0
+    return ids, mask
+
+
+def measure(kind, cache, mode, tokens, batch=1, pad=False):
     """One row, in a fresh process: nothing compiled before it."""
     ids = torch.randint(3, 128, (batch, 8), generator=torch.Generator().manual_seed(1))
+    mask = None
+    if pad:
+        ids, mask = left_padded(ids)
     model = tiny_model(kind)
-    expected, _, _ = run(model, ids, cache, tokens, lambda: None)  # CPU warm-up
-    _, cpu_s, _ = run(model, ids, cache, tokens, lambda: None)
+    expected, _, _ = run(model, ids, cache, tokens, lambda: None, mask)  # CPU warm-up
+    _, cpu_s, _ = run(model, ids, cache, tokens, lambda: None, mask)
     model.to("tpu")
+    dev_mask = None if mask is None else mask.to("tpu")
     with torch_pjrt.mode(mode):
-        out, cold_s, counts = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
+        out, cold_s, counts = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize, dev_mask)
         per_token = (counts[-1] - counts[1]) / max(len(counts) - 2, 1)
         before = torch_pjrt.metrics()["compiles"]
-        _, warm_s, _ = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize)
+        _, warm_s, _ = run(model, ids.to("tpu"), cache, tokens, torch.tpu.synchronize, dev_mask)
         warm_compiles = torch_pjrt.metrics()["compiles"] - before
-        other = torch.randint(3, 128, (batch, 11), generator=torch.Generator().manual_seed(2)).to("tpu")
-        _, _, new_counts = run(model, other, cache, tokens, torch.tpu.synchronize)
+        other = torch.randint(3, 128, (batch, 11), generator=torch.Generator().manual_seed(2))
+        other_mask = None
+        if pad:
+            other, other_mask = left_padded(other)
+            other_mask = other_mask.to("tpu")
+        _, _, new_counts = run(model, other.to("tpu"), cache, tokens, torch.tpu.synchronize, other_mask)
         new_len = (new_counts[-1] - new_counts[1]) / max(len(new_counts) - 2, 1)
-    print(f"{kind:6s} {cache:8s} {batch:5d} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
+    label = f"{batch}{'p' if pad else ''}"
+    print(f"{kind:6s} {cache:8s} {label:>5s} {mode:7s} {tokens / cpu_s:10.1f} {tokens / cold_s:11.1f} {tokens / warm_s:11.1f} "
           f"{cpu_s / warm_s:8.2f}x {per_token:14.1f} {warm_compiles:10d} {new_len:13.1f} "
           f"{str(torch.equal(out, expected)):>5s}",
           flush=True)
@@ -87,17 +106,20 @@ def main():
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--modes", default="fused,strict")
     parser.add_argument("--batches", default="1,2", help="prompts per generate(); batches over 1 use the static cache")
-    parser.add_argument("--one", help="kind,cache,mode,batch: measure one row in this process")
+    parser.add_argument("--left-pad", action="store_true", help="also batches with a left-padded prompt (batch NNp)")
+    parser.add_argument("--one", help="kind,cache,mode,batch[p]: measure one row in this process (p: left-padded)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.one:
         kind, cache, mode, batch = args.one.split(",")
-        return measure(kind, cache, mode, args.tokens, int(batch))
+        return measure(kind, cache, mode, args.tokens, int(batch.rstrip("p")), batch.endswith("p"))
     print("platform:", torch_pjrt.platform())
     print(f"{'model':6s} {'cache':8s} {'batch':>5s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
           f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'new len c/tok':>13s} {'same':>5s}", flush=True)
     rows = [(cache, 1) for cache in ("dynamic", "static")]
     rows += [("static", int(b)) for b in args.batches.split(",") if int(b) > 1]
+    if args.left_pad:
+        rows += [(cache, f"{b}p") for cache in ("dynamic", "static") for b in args.batches.split(",") if int(b) > 1]
     for kind in ("gpt2", "llama"):
         for cache, batch in rows:
             for mode in args.modes.split(","):
