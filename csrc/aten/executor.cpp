@@ -132,8 +132,12 @@ struct KeyBuilder {
     // Lazy conjugate / negative views: the value read is conj(data) / -data.
     if (t.is_conj()) key += '*';
     if (t.is_neg()) key += '~';
-    if (!shapeless)
+    if (!shapeless) {
       for (int64_t s : t.sizes()) num(s);
+    } else {
+      key += 'r';  // the rank still decides broadcasting and type promotion (a 0-d tensor)
+      num(t.dim());
+    }
     if (t.device().type() == kTpu) {
       if (call.device < 0) call.device = t.device().index();
       TORCH_CHECK(call.device == t.device().index(), "Expected all tensors to be on the same device, but found ",
@@ -1700,7 +1704,8 @@ FlatCat flat_cat_of(const Call& call) {
     // Small integer or bool bookkeeping (input_ids, attention_mask), or a float sequence growing by a cat per step
     // (a decoding KV cache): first a cat, then every later cat extends a capacity storage.
     const bool bookkeeping = !at::isFloatingType(first.scalar_type()) && total <= kMaxRowCatElements;
-    if (!bookkeeping && !storage_state(first.storage()).grown) return {};
+    // Activations that autograd tracks (a DenseNet's features) keep the concatenate and exact buffers.
+    if (!bookkeeping && (!storage_state(first.storage()).grown || first.requires_grad())) return {};
   } else if (rows > 1) {
     return {};
   }
@@ -1732,7 +1737,7 @@ int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry&
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined() || t.dim() == 0) continue;  // 0-d values broadcast
-      if (t.device().type() != kTpu) return 0;
+      if (t.device().type() != kTpu || t.numel() == 0) return 0;  // an empty plan skips its program
       const StorageState& st = storage_state(t.storage());
       if (!t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() || t.is_neg()) return 0;
       if (shape && !t.sizes().equals(shape->sizes())) return 0;

@@ -185,3 +185,14 @@ def test_cache_padding_holding_inf_and_nan_never_leaks():
             return F.scaled_dot_product_attention(q, k[:1], v[:1])
 
     assert_matches_cpu(step, q, k0, v0, rand(2, 2, 1, 8, seed=5), rand(2, 2, 1, 8, seed=6))
+
+
+def test_direct_calls_outside_the_fused_ops_cases_raise():
+    # sdp_choice.cpp never sends these; a direct call must fail loudly, not compute something else.
+    q = rand(1, 2, 3, 8).to("tpu")
+    op = torch.ops.aten._scaled_dot_product_fused_attention_overrideable
+    for kw in [dict(dropout_p=0.5), dict(is_causal=True, attn_bias=torch.zeros(3, 3, device="tpu"))]:
+        with pytest.raises(NotImplementedError):
+            op(q, q, q, **kw)
+    with pytest.raises(NotImplementedError):
+        op(q[0], q[0], q[0])

@@ -254,6 +254,32 @@ def test_elementwise_ops_on_growing_tensors_inside_a_bucket_compile_nothing(mode
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_capacity_elementwise_keys_keep_rank_and_emptiness(mode):
+    # A capacity op's key holds no sizes: a 0-d view, an empty view and the whole tensor must still get their own
+    # plans (broadcasting, type promotion, an empty result), whichever ran first.
+    def grown(dtype, device):  # a row cat on the device: a capacity storage there
+        a = torch.arange(1, 7, dtype=dtype, device=device).reshape(2, 3)
+        return torch.cat([a, torch.full((2, 1), 7, dtype=dtype, device=device)], 1)
+
+    def fn(a32, b64):
+        a, b = grown(torch.int32, a32.device), grown(torch.int64, a32.device) * 1000000007
+        return [a + a[0, 0], a + a, a + b[0, 0], a + b, (a[:, :0] == 1), (a == 1), a[:, :0] + 1, a + 1]
+
+    x = torch.zeros(1)
+    for order in (fn, lambda a32, b64: fn(a32, b64)[::-1]):
+        assert_exact_in(mode, order, x, x)
+
+
+def test_pad_value_out_of_range_raises_as_on_cpu():
+    x = torch.ones(2, dtype=torch.half)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.nn.functional.pad(x, (1, 1), value=1e5)
+    with pytest.raises(RuntimeError) as dev:
+        torch.nn.functional.pad(x.to("tpu"), (1, 1), value=1e5).cpu()
+    assert "overflow" in str(cpu.value) and "overflow" in str(dev.value)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_constant_pad_nd_matches_cpu(dtype, mode):

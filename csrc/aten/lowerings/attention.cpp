@@ -20,7 +20,13 @@ using hlo::Reducer;
 std::vector<Value> lower_attention(Context& c) {
   Builder& b = c.b;
   const ElementType e = widen(c.output(0).element), s64 = ElementType::S64;
-  const Dims key_dims = c.tensor_dims("key");
+  const Dims key_dims = c.tensor_dims("key"), query_dims = c.tensor_dims("query");
+  // sdp_choice.cpp sends only these here; a direct call outside them runs on the CPU (which has no kernel: an error).
+  if (query_dims.size() != 4 || key_dims.size() != 4 || c.tensor_dims("value").size() != 4)
+    throw Unsupported("attention: inputs are not 4-d");
+  if (c.float_arg("dropout_p") != 0.0) throw Unsupported("attention: dropout");
+  if (key_dims[1] == 0 || query_dims[1] % key_dims[1] != 0) throw Unsupported("attention: heads not a multiple of key heads");
+  if (c.bool_arg("is_causal") && c.has("attn_bias")) throw Unsupported("attention: is_causal with a mask");
   Value q = b.convert(c.tensor("query"), e), k, v;
   std::optional<Value> length;  // the true key length when key and value are read padded
   auto padded_key = c.padded("key", 2), padded_value = c.padded("value", 2);

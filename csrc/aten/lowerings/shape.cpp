@@ -64,7 +64,7 @@ std::vector<Value> lower_constant_pad_nd(Context& c) {
   const int64_t rank = static_cast<int64_t>(c.tensor_dims("self").size());
   if (pad.size() % 2 != 0 || static_cast<int64_t>(pad.size()) > 2 * rank)
     throw Unsupported("constant_pad_nd: pad of odd length or more dims than the tensor");
-  Value value = c.b.convert(c.scalar("value", widen(o.element)), o.element);
+  Value value = c.scalar("value", o.element);  // as fill_ takes it: the CPU's range check, one rounding
   if (rank > 0 && pad.size() == 2 && pad[0] == 0 && pad[1] >= 0) {
     if (auto p = c.padded("self", rank - 1)) {
       Value x = p->value;
