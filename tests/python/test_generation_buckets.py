@@ -281,7 +281,7 @@ def test_pad_value_out_of_range_raises_as_on_cpu():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
 def test_constant_pad_nd_matches_cpu(dtype, mode):
     x = (torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     value = True if dtype == torch.bool else 2

@@ -167,7 +167,7 @@ void register_complex(Table& t) {
         "index", "gather", "index_put", "_index_put_impl", "cumsum", "cumprod", "addcmul", "addcdiv", "silu",
         "logical_and", "logical_or", "logical_xor", "logical_not", "all", "any", "count_nonzero", "vdot", "scatter",
         "scatter_add", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "linalg_vector_norm",
-        "isinf"})
+        "isinf", "constant_pad_nd"})
     allow_complex(t, name);
 }
 
