@@ -492,8 +492,9 @@ class CallContext final : public lowering::Context {
     return static_cast<int64_t>(keyed_extent(storage_state(t.storage())) / t.element_size());
   }
 
-  int64_t flat_capacity() const override { return flat_cat_of(call_).capacity; }
-  int64_t flat_rows() const override { return flat_cat_of(call_).rows; }
+  // As planned: a recorded op is lowered later from a snapshot of its arguments (without autograd's requires_grad).
+  int64_t flat_capacity() const override { return meta_.flat_capacity; }
+  int64_t flat_rows() const override { return meta_.flat_rows; }
   std::vector<FlatPiece> flat_pieces(std::string_view name) override {
     const bool rows = flat_rows() > 1;
     int i = index(name);
@@ -1393,7 +1394,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     ++metrics().op_cache_misses;
     try {
       cached = plan(call, *entry);
-      cached->flat_capacity = flat.capacity;
+      cached->flat_capacity = cached->meta.flat_capacity = flat.capacity;
+      cached->meta.flat_rows = flat.rows;
       if (elementwise_capacity > 0) {
         cached->meta.capacity = elementwise_capacity;
         for (OutputMeta& o : cached->meta.outputs) o.dims = {elementwise_capacity};

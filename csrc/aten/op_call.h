@@ -65,6 +65,8 @@ struct MetaResult {
   // An elementwise op over capacity storages (capacity_elementwise_of): its tensors are read, and its outputs
   // made and written, as flat buffers of this many elements. 0: no.
   int64_t capacity = 0;
+  // A flat cat (flat_cat_of, decided when planned): its result's elements and rows.
+  int64_t flat_capacity = 0, flat_rows = 1;
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
