@@ -531,19 +531,13 @@ class CallContext final : public lowering::Context {
     for (int64_t d = dim + 1; d < t.dim(); ++d) inner *= t.size(d);
     const int64_t count = storage_count(t), bound = count / (rows * inner);
     if (bound < t.size(dim)) return std::nullopt;
-    // Element (r, s, j) of the [rows, size, inner] tensor sits at (r * size + s) * inner + j: in bounds
-    // for every s < bound, since rows * bound * inner <= count.
+    // Row r of the [rows, size * inner] tensor starts at r * size * inner; its first bound * inner elements
+    // stay in bounds, since rows * bound * inner <= count.
     const ElementType s64 = ElementType::S64;
     Value size = runtime_int(OperandRef{OperandRef::Size, i, -1, s64, 0, static_cast<int>(dim)});
-    const lowering::Dims block{rows, bound, inner};
-    auto spread = [&](const Value& scalar) { return b.broadcast_in_dim(scalar, block, {}); };
-    Value row = b.iota(lowering::TensorType{s64, block}, 0), lane = b.iota(lowering::TensorType{s64, block}, 1);
-    Value source = b.binary("add", b.binary("multiply", b.binary("add", b.binary("multiply", row, spread(size)), lane),
-                                            b.constant_int(inner, s64, block)),
-                            b.iota(lowering::TensorType{s64, block}, 2));
     Value flat = graph::storage_as(b, storage_param(t, i, -1), element_or_throw(t.scalar_type()), count);
-    Value values = b.gather(flat, b.reshape(source, {rows, bound, inner, 1}),
-                            lowering::Builder::GatherDims{{}, {0}, {}, {}, {0}, 3}, {1}, block);
+    Value row_length = b.binary("multiply", size, b.constant_int(inner, s64));
+    Value values = lowering::gather_rows(b, flat, row_length, rows, bound * inner);
     lowering::Dims dims(t.sizes().begin(), t.sizes().end());
     dims[dim] = bound;
     return Padded{b.reshape(values, dims), size};
@@ -1014,7 +1008,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   const MetaResult& meta = cached.meta;
   b.set_float32_precision(cached.float32_precision);
   std::vector<Value> results = cached.entry->fn(ctx);
-  if (cached.flat_capacity > 0) return results;  // already the result's flat buffer, of its capacity
+  if (meta.flat_capacity > 0) return results;  // already the result's flat buffer, of its capacity
   if (meta.capacity > 0) {  // whole flat buffers, written ones included
     std::vector<Value> flats;
     for (size_t i = 0; i < results.size() && i < meta.outputs.size(); ++i) {
@@ -1394,7 +1388,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     ++metrics().op_cache_misses;
     try {
       cached = plan(call, *entry);
-      cached->flat_capacity = cached->meta.flat_capacity = flat.capacity;
+      cached->meta.flat_capacity = flat.capacity;
       cached->meta.flat_rows = flat.rows;
       if (elementwise_capacity > 0) {
         cached->meta.capacity = elementwise_capacity;
@@ -1785,27 +1779,18 @@ void adopt_capacity(Call& call, int64_t capacity) {
 }
 
 namespace {
-// Its new results: the shape of this call's tensors, buffers of the plan's capacity.
-std::vector<at::Tensor> capacity_elementwise_outputs(const Call& call, const CachedOp& cached) {
-  std::vector<int64_t> sizes;
+// A new result of a capacity elementwise op: the shape of this call's tensors (the plan keeps no sizes), a buffer
+// of `capacity` elements.
+at::Tensor capacity_elementwise_output(const Call& call, at::ScalarType dtype, int64_t capacity) {
+  c10::IntArrayRef sizes;
   for (const c10::IValue& v : call.args)
     if (v.isTensor() && v.toTensor().defined() && v.toTensor().dim() > 0) {
-      sizes = v.toTensor().sizes().vec();
+      sizes = v.toTensor().sizes();
       break;
     }
-  std::vector<at::Tensor> outs;
-  for (const OutputPlan& p : cached.outputs) {
-    if (p.absent) {
-      outs.emplace_back();
-    } else if (p.write) {
-      outs.push_back(item_tensor(call.args[p.arg], p.item));
-    } else {
-      at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device));
-      storage_state(out.storage()).capacity = static_cast<size_t>(cached.meta.capacity) * out.element_size();
-      outs.push_back(out);
-    }
-  }
-  return outs;
+  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(dtype).device(kTpu, call.device));
+  storage_state(out.storage()).capacity = static_cast<size_t>(capacity) * out.element_size();
+  return out;
 }
 }  // namespace
 
@@ -1826,12 +1811,12 @@ at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
 
 // The op's outputs: written arguments, or new tensors on the call's device.
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached) {
-  if (cached.flat_capacity > 0) return {flat_cat_output(call, cached.flat_capacity)};
-  if (cached.meta.capacity > 0) return capacity_elementwise_outputs(call, cached);
+  if (cached.meta.flat_capacity > 0) return {flat_cat_output(call, cached.meta.flat_capacity)};
   std::vector<at::Tensor> outs;
   for (const OutputPlan& p : cached.outputs) {
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
+    else if (cached.meta.capacity > 0) outs.push_back(capacity_elementwise_output(call, p.dtype, cached.meta.capacity));
     else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
     else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
   }

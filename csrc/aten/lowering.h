@@ -134,6 +134,10 @@ std::vector<std::string> lowered_op_names();
 Dims broadcast_shape(const Dims& a, const Dims& b);
 Value broadcast_to(Builder& b, const Value& x, const Dims& dims);  // numpy rules
 Value to(Builder& b, const Value& x, ElementType element, const Dims& dims);  // convert + broadcast
+// A [rows, width] block whose (r, c) is flat[r * row_length + c], row_length a
+// runtime s64[]: the rows of a buffer whose row length changes at runtime (row
+// cats, Context::padded). The caller keeps every index in bounds.
+Value gather_rows(Builder& b, const Value& flat, const Value& row_length, int64_t rows, int64_t width);
 int64_t wrap_dim(int64_t dim, int64_t rank);
 Dims all_dims(int64_t rank);
 Value zeros_like(Builder& b, const Value& x);

@@ -65,7 +65,8 @@ struct MetaResult {
   // An elementwise op over capacity storages (capacity_elementwise_of): its tensors are read, and its outputs
   // made and written, as flat buffers of this many elements. 0: no.
   int64_t capacity = 0;
-  // A flat cat (flat_cat_of, decided when planned): its result's elements and rows.
+  // A flat cat (flat_cat_of, decided when planned): its result's buffer holds
+  // flat_capacity elements (0: not a flat cat), and its sizes come from each call, not from the plan.
   int64_t flat_capacity = 0, flat_rows = 1;
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
@@ -82,9 +83,6 @@ struct CachedOp {
   // torch.get_float32_matmul_precision() when planned (part of the op's key).
   lowering::Builder::Precision float32_precision = lowering::Builder::Precision::Highest;
   bool outputs_empty = false;  // every output has zero elements: nothing to run
-  // A flat cat (flat_cat_of): its result's buffer holds this many
-  // elements, and its sizes come from each call, not from the plan. 0: no.
-  int64_t flat_capacity = 0;
   bool cat = false;  // aten::cat: its result is a grown storage (StorageState::grown)
   std::string unsupported;  // set when lowering failed: the op always falls back
   std::vector<OperandRef> operands;

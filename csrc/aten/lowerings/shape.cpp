@@ -37,14 +37,11 @@ Value row_cat(Builder& b, const std::vector<Context::FlatPiece>& pieces, int64_t
     const Dims block{rows, std::max<int64_t>(pieces[k].data.dims()[0] / rows, 1)};
     Value row = b.iota(TensorType{s64, block}, 0), column = b.iota(TensorType{s64, block}, 1);
     auto spread = [&](const Value& scalar) { return b.broadcast_in_dim(scalar, block, {}); };
-    Value source = b.binary("add", b.binary("multiply", row, spread(row_length[k])), column);
     Value target = b.binary("add", b.binary("add", b.binary("multiply", row, spread(total)), spread(start)), column);
     target = b.select(b.compare(column, spread(row_length[k]), hlo::Compare::LT), target,
                       b.constant_int(capacity, s64, block));
-    const Dims with_vector{rows, block[1], 1};
-    Value values = b.gather(pieces[k].data, b.reshape(source, with_vector), Builder::GatherDims{{}, {0}, {}, {}, {0}, 2},
-                            {1}, block);
-    out = b.scatter(out, b.reshape(target, with_vector), values, Builder::ScatterDims{{}, {0}, {}, {}, {0}, 2},
+    Value values = gather_rows(b, pieces[k].data, row_length[k], rows, block[1]);
+    out = b.scatter(out, b.reshape(target, {rows, block[1], 1}), values, Builder::ScatterDims{{}, {0}, {}, {}, {0}, 2},
                     /*combine=*/std::nullopt);
     start = b.binary("add", start, row_length[k]);
   }

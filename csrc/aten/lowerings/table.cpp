@@ -94,6 +94,14 @@ Value to(Builder& b, const Value& x, ElementType element, const Dims& dims) {
   return broadcast_to(b, b.convert(x, element), dims);
 }
 
+Value gather_rows(Builder& b, const Value& flat, const Value& row_length, int64_t rows, int64_t width) {
+  const Dims block{rows, width};
+  const TensorType index{ElementType::S64, block};
+  Value source = b.binary("add", b.binary("multiply", b.iota(index, 0), b.broadcast_in_dim(row_length, block, {})),
+                          b.iota(index, 1));
+  return b.gather(flat, b.reshape(source, {rows, width, 1}), Builder::GatherDims{{}, {0}, {}, {}, {0}, 2}, {1}, block);
+}
+
 int64_t wrap_dim(int64_t dim, int64_t rank) {
   int64_t r = std::max<int64_t>(rank, 1);
   return dim < 0 ? dim + r : dim;
