@@ -307,7 +307,7 @@ class CompileCounter:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def generate(model, ids, tokens, cache, counter=None):
+def generate(model, ids, tokens, cache, counter=None, mask=None):
     import transformers
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
               output_logits=True, return_dict_in_generate=True)
@@ -315,6 +315,8 @@ def generate(model, ids, tokens, cache, counter=None):
         kw.update(cache_implementation="static", disable_compile=True)
     if counter is not None:
         kw["stopping_criteria"] = transformers.StoppingCriteriaList([counter])
+    if mask is not None:
+        kw["attention_mask"] = mask
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(ids, **kw)
@@ -351,19 +353,28 @@ def test_static_cache_generation_compiles_nothing_per_token(kind, mode):
 
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_batched_static_cache_generation_compiles_nothing_per_token(kind, mode):
-    # A batch of 2 prompts: input_ids and attention_mask grow by a column per token (row cats).
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_batched_static_cache_generation_compiles_nothing_per_token(left_padded, kind, mode):
+    # A batch of 2 prompts: input_ids and attention_mask grow by a column per token (row cats). Left-padded (prompts
+    # of different lengths), the mask has zeros, and transformers pads its `.bool()` to the cache's length with F.pad
+    # each step.
     pytest.importorskip("transformers")
     model = tiny_model(kind)
-    prompts = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
-    expected = generate(model, prompts, 3 * N, "static")
+    prompts = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(8 if left_padded else 7))
+    mask = None
+    if left_padded:
+        mask = torch.ones_like(prompts)
+        mask[1, :3] = 0
+        prompts[1, :3] = 0
+    expected = generate(model, prompts, 3 * N, "static", mask=mask)
     model.to("tpu")
     with torch_pjrt.mode(mode):
         counter = CompileCounter()
-        got = generate(model, prompts.to("tpu"), 3 * N, "static", counter)
+        got = generate(model, prompts.to("tpu"), 3 * N, "static", counter, None if mask is None else mask.to("tpu"))
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
-    per_token = counter.counts[-1] - counter.counts[3]
+    # Left-padded, the last token's mask fills the cache: that step is another graph (one op fewer), compiled once.
+    per_token = counter.counts[-2 if left_padded else -1] - counter.counts[3]
     assert per_token == 0, (counter.counts, torch_pjrt.explain())
 
 
@@ -394,38 +405,3 @@ def test_dynamic_cache_generation_compiles_nothing_inside_a_bucket(kind, mode):
     # The new length's prefill, first step (the prompt's key is a transposed view: an exact cat) and second
     # step (the first row cat) compile; every later token compiles nothing.
     assert counter.counts[-1] - counter.counts[2] == 0, (counter.counts, torch_pjrt.explain())
-
-
-@pytest.mark.parametrize("mode", ["fused", "strict"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_left_padded_static_cache_generation_compiles_nothing_per_token(kind, mode):
-    # Prompts of different lengths, left-padded: the attention mask has zeros, grows by a column per token (a row
-    # cat), and transformers pads its `.bool()` to the cache's length with F.pad each step.
-    pytest.importorskip("transformers")
-    model = tiny_model(kind)
-    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(8))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    ids[1, :3] = 0
-
-    def run(ids, mask, counter=None):
-        import transformers
-        kw = dict(max_new_tokens=3 * N, min_new_tokens=3 * N, do_sample=False, pad_token_id=0, output_logits=True,
-                  return_dict_in_generate=True, cache_implementation="static", disable_compile=True)
-        if counter is not None:
-            kw["stopping_criteria"] = transformers.StoppingCriteriaList([counter])
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = model.generate(ids, attention_mask=mask, **kw)
-        return out.sequences.cpu(), torch.stack([l.cpu() for l in out.logits])
-
-    expected = run(ids, mask)
-    model.to("tpu")
-    with torch_pjrt.mode(mode):
-        counter = CompileCounter()
-        got = run(ids.to("tpu"), mask.to("tpu"), counter)
-    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
-    per_token = counter.counts[-2] - counter.counts[3]
-    # The last token's mask fills the cache: that step is another graph (one op fewer), compiled once.
-    assert per_token == 0, (counter.counts, torch_pjrt.explain())
