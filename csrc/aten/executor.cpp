@@ -1712,7 +1712,7 @@ FlatCat flat_cat_of(const Call& call) {
 
 // ---- elementwise ops over capacity storages ----
 // Generation computes on its growing bookkeeping too: `attention_mask.bool()`,
-// `cumsum(-1) - 1`, `masked_fill_`. An elementwise op over whole capacity
+// `masked_fill_`, comparisons. An elementwise op over whole capacity
 // storages runs on their whole buffers (the padding past the logical size
 // computes garbage that nothing reads), so its program depends on the
 // capacity alone and its results are capacity storages.

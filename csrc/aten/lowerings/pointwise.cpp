@@ -634,7 +634,7 @@ void register_pointwise(Table& t) {
            {"hardswish_backward", lower_hardswish_backward}, {"softplus", lower_softplus},
            {"softplus_backward", lower_softplus_backward}, {"elu", lower_elu}})
     add_lowering(t, name, fn);
-  // The ops generation applies to its growing bookkeeping (a mask's `.bool()`, `cumsum(-1) - 1`, `masked_fill_`):
+  // The ops generation applies to its growing bookkeeping (a mask's `.bool()`, `masked_fill_`, comparisons):
   // no runtime checks (integer division has one), no use of the shape.
   for (const char* name : {"add", "sub", "rsub", "mul", "neg", "abs", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
                            "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor",

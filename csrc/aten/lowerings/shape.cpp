@@ -216,8 +216,8 @@ void register_shape(Table& t) {
   add_lowering(t, "linspace", lower_linspace);
   add_lowering(t, "eye", lower_eye);
   for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"cat", lower_cat}, {"constant_pad_nd", lower_constant_pad_nd}, {"flip", lower_flip}, {"roll", lower_roll}, {"tril", lower_tril},
-           {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
+           {"cat", lower_cat}, {"constant_pad_nd", lower_constant_pad_nd}, {"flip", lower_flip}, {"roll", lower_roll},
+           {"tril", lower_tril}, {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
     add_lowering(t, name, fn);
 }
 

@@ -16,17 +16,16 @@ void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bak
   table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes), std::move(runtime_floats)};
 }
 
-void mark_elementwise(Table& table, const std::string& name) {
+namespace {
+LoweringEntry& entry_named(Table& table, const std::string& name) {
   auto it = table.entries.find(name);
   PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
-  it->second.elementwise = true;
+  return it->second;
 }
+}  // namespace
 
-void allow_complex(Table& table, const std::string& name) {
-  auto it = table.entries.find(name);
-  PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
-  it->second.complex = true;
-}
+void mark_elementwise(Table& table, const std::string& name) { entry_named(table, name).elementwise = true; }
+void allow_complex(Table& table, const std::string& name) { entry_named(table, name).complex = true; }
 
 namespace {
 const Table& table() {
