@@ -2,6 +2,7 @@
 #include "aten/device.h"
 #include "aten/device_context.h"
 #include "aten/executor.h"
+#include "aten/exit_gate.h"
 #include "pjrt/error.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <thread>
 #include <cstdlib>
 #include <deque>
@@ -539,6 +541,54 @@ void install_buffer(StorageState& st, pjrt::BufferPtr buffer) {
   st.buffer.swap(buffer);
   st.lost.reset();
 }  // the old buffer is released after the lock (declared before it)
+
+namespace {
+struct SpentBuffers {
+  std::mutex mutex;
+  std::condition_variable ready;
+  std::vector<std::vector<pjrt::BufferPtr>> batches;
+  bool started = false;
+};
+SpentBuffers& spent_buffers() {
+  static auto* spent = new SpentBuffers();  // never destroyed: the thread outlives static destructors
+  return *spent;
+}
+void destroy_spent_buffers() {
+  SpentBuffers& spent = spent_buffers();
+  for (;;) {
+    std::vector<std::vector<pjrt::BufferPtr>> batches;
+    {
+      std::unique_lock<std::mutex> lock(spent.mutex);
+      spent.ready.wait(lock, [&] { return !spent.batches.empty(); });
+      batches.swap(spent.batches);
+    }
+    ExitGate gate;  // the exit waits while this thread is inside the plugin
+    if (device_closed()) {
+      new std::vector<std::vector<pjrt::BufferPtr>>(std::move(batches));  // the process is ending: leave them
+      return;
+    }
+    batches.clear();
+  }
+}
+}  // namespace
+
+void release_spent(std::vector<pjrt::BufferPtr> buffers) {
+  if (buffers.empty()) return;
+  if (pjrt::in_forked_child()) {  // no thread here (and ~Buffer does nothing in a child)
+    new std::vector<pjrt::BufferPtr>(std::move(buffers));
+    return;
+  }
+  SpentBuffers& spent = spent_buffers();
+  {
+    std::lock_guard<std::mutex> lock(spent.mutex);
+    if (!spent.started) {
+      std::thread(destroy_spent_buffers).detach();
+      spent.started = true;
+    }
+    spent.batches.push_back(std::move(buffers));
+  }
+  spent.ready.notify_one();
+}
 
 void check_has_value(const StorageState& st) {
   std::shared_ptr<const std::string> lost;

@@ -54,6 +54,12 @@ pjrt::BufferPtr buffer_of(const StorageState& st);
 // Gives the storage a new value (and clears `lost`).
 void install_buffer(StorageState& st, pjrt::BufferPtr buffer);
 
+// Hands buffers a program consumed (donated) to a background thread that
+// destroys their handles: they hold no device memory, and destroying hundreds
+// of them (a compiled optimizer step's parameters and states) cost the
+// calling thread about 0.2 ms per step on the CPU plugin.
+void release_spent(std::vector<pjrt::BufferPtr> buffers);
+
 // Raises when `st` lost its value to a failed graph.
 void check_has_value(const StorageState& st);
 

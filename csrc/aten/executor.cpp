@@ -1,6 +1,7 @@
 #include "aten/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/native/BinaryOps.h>
 #include <ATen/native/CPUFallback.h>
@@ -8,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -1195,7 +1197,7 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const
 // to itself) changes nothing: PyTorch's copy_ returns early there too. Running
 // it would cost a whole-storage update per row in a fused graph.
 bool is_self_copy(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
-  if (schema.name() != "aten::copy_") return false;
+  if (!schema_facts(schema).is_copy_) return false;
   const c10::IValue& dst = stack[stack.size() - 3];
   const c10::IValue& src = stack[stack.size() - 2];
   if (!dst.isTensor() || !src.isTensor()) return false;
@@ -1335,14 +1337,15 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   call.returns_written = !schema.returns().empty();
   for (const auto& r : schema.returns()) call.returns_written = call.returns_written && r.alias_info();
   KeyBuilder kb;
-  kb.allow_host = facts.base_name == "copy";
+  kb.allow_host = facts.is_copy;
   kb.key = facts.op_name;
   // Global state meta kernels read: the default dtype (int / int, factories
   // without a dtype, Python floats with integer tensors; the default complex
   // dtype follows it).
   kb.key += static_cast<char>('a' + static_cast<int>(at::get_default_dtype_as_scalartype()));
-  // torch.set_float32_matmul_precision: how float32 dots and convolutions compute.
-  kb.key += static_cast<char>('0' + static_cast<int>(float32_precision()));
+  // torch.set_float32_matmul_precision: how float32 dots and convolutions compute (never
+  // in an elementwise lowering; reading it is a hash lookup per op).
+  kb.key += entry->elementwise ? '-' : static_cast<char>('0' + static_cast<int>(float32_precision()));
   const FlatCat flat = flat_cat_of(call);
   const int64_t elementwise_capacity = flat.capacity > 0 ? 0 : capacity_elementwise_of(call, *entry);
   if (flat.capacity > 0) {
@@ -1553,13 +1556,37 @@ std::string make_base_name(const c10::FunctionSchema& s) {
 }
 }  // namespace
 
+namespace {
+// Bumped when an operator's schema goes away (a torch.library op destroyed): its
+// address may come back with another schema, so every thread's last-schema entry is stale.
+std::atomic<uint64_t> g_schema_epoch{0};
+struct SchemaDeregistrations final : c10::OpRegistrationListener {
+  void onOperatorRegistered(const c10::OperatorHandle&) override {}
+  void onOperatorDeregistered(const c10::OperatorHandle&) override { ++g_schema_epoch; }
+};
+[[maybe_unused]] const bool g_schema_listener = [] {
+  new c10::RegistrationHandleRAII(  // never removed: the listener lives as long as the dispatcher
+      c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<SchemaDeregistrations>()));
+  return true;
+}();
+}  // namespace
+
 const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
+  // The last schema asked, per thread: recording asks several times per op, and loops repeat one op.
+  thread_local const c10::FunctionSchema* last = nullptr;
+  thread_local const SchemaFacts* last_facts = nullptr;
+  thread_local uint64_t last_epoch = 0;
+  const uint64_t epoch = g_schema_epoch.load(std::memory_order_acquire);
+  if (&s == last && epoch == last_epoch) return *last_facts;
+  last = &s;
+  last_epoch = epoch;
   // Built once per schema and thread: every recorded op asks. The entry is checked against the
   // schema's names, so a schema at a reused address (a torch.library op re-registered) gets its own.
   thread_local std::unordered_map<const c10::FunctionSchema*, SchemaFacts> cache;
   const std::string& base = s.name();
   const std::string& overload = s.overload_name();
   SchemaFacts& facts = cache[&s];
+  last_facts = &facts;  // a node's address: stable while the map grows
   const std::string& name = facts.op_name;
   bool same = name.size() == base.size() + (overload.empty() ? 0 : overload.size() + 1) &&
               name.compare(0, base.size(), base) == 0 &&
@@ -1569,6 +1596,9 @@ const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
   facts.op_name = overload.empty() ? base : base + "." + overload;
   facts.base_name = make_base_name(s);
   facts.entry = lowering::find_lowering(facts.base_name);
+  facts.is_copy = facts.base_name == "copy";
+  facts.is_copy_ = base == "aten::copy_";
+  facts.is_cat = facts.op_name == "aten::cat";
   facts.indices_at = s.argumentIndexWithName("indices");
   facts.self_at = s.argumentIndexWithName("self");
   for (const auto& arg : s.arguments()) {
@@ -1669,7 +1699,7 @@ constexpr int64_t kMaxRowCatElements = int64_t{1} << 16;
 namespace {
 // The cat's pieces when they qualify (see flat_cat_of), with its dim.
 std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const Call& call) {
-  if (op_name(call.schema) != "aten::cat" || !call.args[0].isTensorList()) return std::nullopt;
+  if (!schema_facts(call.schema).is_cat || !call.args[0].isTensorList()) return std::nullopt;
   auto list = call.args[0].toTensorList();
   if (list.size() < 2) return std::nullopt;
   at::Tensor first = list.get(0);
@@ -1794,6 +1824,19 @@ at::Tensor capacity_elementwise_output(const Call& call, at::ScalarType dtype, i
 }
 }  // namespace
 
+namespace {
+// A new tensor on the device, as at::empty / at::empty_strided make it (empty
+// strides: contiguous) without the two dispatches: every recorded op makes one.
+at::Tensor new_output(c10::IntArrayRef dims, c10::IntArrayRef strides, at::ScalarType dtype, int device) {
+  static const c10::DispatchKeySet keys(c10::DispatchKey::PrivateUse1);
+  element_or_throw(dtype);  // a dtype XLA has no type for must never hold (zero) data
+  c10::DeviceGuard on_device(c10::Device(kTpu, static_cast<c10::DeviceIndex>(device)));
+  c10::Allocator* allocator = c10::GetAllocator(kTpu);
+  return strides.empty() ? at::detail::empty_generic(dims, allocator, keys, dtype, std::nullopt)
+                         : at::detail::empty_strided_generic(dims, strides, allocator, keys, dtype);
+}
+}  // namespace
+
 // A flat cat's result: sizes from this call, a buffer of `capacity` elements.
 at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
   auto list = call.args[0].toTensorList();
@@ -1817,8 +1860,7 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
     else if (cached.meta.capacity > 0) outs.push_back(capacity_elementwise_output(call, p.dtype, cached.meta.capacity));
-    else if (p.strides.empty()) outs.push_back(at::empty(p.dims, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
-    else outs.push_back(at::empty_strided(p.dims, p.strides, at::TensorOptions().dtype(p.dtype).device(kTpu, call.device)));
+    else outs.push_back(new_output(p.dims, p.strides, p.dtype, call.device));
   }
   if (cached.cat && outs.size() == 1 && outs[0].defined() && !cached.outputs[0].write)
     storage_state(outs[0].storage()).grown = true;

@@ -36,6 +36,8 @@ void close_device_at_exit(bool (*python_thread_without_gil)(), int wait_ms) {
 
 void park_if_device_closed() { park_if_closed(); }
 
+bool device_closed() { return g_closed; }
+
 ExitGate::ExitGate() {
   if (t_depth == 0) park_if_closed();
   if (t_depth++ == 0) ++g_threads_inside;

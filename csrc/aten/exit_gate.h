@@ -15,6 +15,8 @@ namespace torch_pjrt {
 void close_device_at_exit(bool (*python_thread_without_gil)(), int wait_ms);
 // For code about to take the GIL, holding none of our locks.
 void park_if_device_closed();
+// Whether close_device_at_exit ran: background work must stop touching the plugin.
+bool device_closed();
 
 // On the stack of each device entry point, first (so destroyed last).
 struct ExitGate {

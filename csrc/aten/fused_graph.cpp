@@ -14,6 +14,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorImpl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -388,6 +389,7 @@ std::string layout_detail(const RecordedOp& rec) {
       text += t.is_contiguous() ? std::string("contiguous") : "strides " + c10::str(t.strides());
       if (t.storage_offset() != 0) text += ", runtime offset";
       text += ", storage of " + std::to_string(t.storage().nbytes()) + " bytes";
+      if (size_t capacity = storage_state(t.storage()).capacity) text += " (capacity " + std::to_string(capacity) + ")";
       return t;
     });
   }
@@ -512,7 +514,7 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   for (auto [operand, output] : donated) {
     bool deleted = true;
     try {
-      deleted = g.operands[operand]->is_deleted();
+      deleted = !g.operands[operand] || g.operands[operand]->is_deleted();
     } catch (const std::exception&) {
     }
     if (deleted) consumed[g.operand_storage[operand]] = 1;
@@ -587,10 +589,14 @@ void run_graph(PendingGraph& g) {
       for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
       defer_checks(g.device, result.outputs[live.size()], compiled->checks, std::move(locations));
     }
+    std::vector<pjrt::BufferPtr> spent;
+    spent.reserve(donated.size());
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
       metrics().donated_bytes += static_cast<int64_t>(result.outputs[output]->byte_count());
+      spent.push_back(std::move(g.operands[operand]));
     }
+    release_spent(std::move(spent));
     ++metrics().executions;
     ++metrics().graphs;
     done = std::move(result.done);
@@ -924,6 +930,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);  // the inputs' values, and the order of work before this call
   std::vector<pjrt::BufferPtr> operands;
+  operands.reserve(plan.operand_input.size());
   {
     std::lock_guard<std::mutex> storages(storage_mutex());
     for (size_t k = 0; k < plan.operand_input.size(); ++k) {
@@ -940,11 +947,14 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
     }
     // A donated input must have no owner besides its storage and this list.
     if (!plan.donated.empty()) {
-      std::unordered_map<const pjrt::Buffer*, long> in_list;
-      for (const auto& b : operands) ++in_list[b.get()];
+      std::vector<const pjrt::Buffer*> in_list;  // sorted: counted by binary search (no map per call)
+      in_list.reserve(operands.size());
+      for (const auto& b : operands) in_list.push_back(b.get());
+      std::sort(in_list.begin(), in_list.end());
       for (auto [operand, output] : plan.donated) {
         const pjrt::BufferPtr& b = operands[operand];
-        if (b.use_count() != in_list[b.get()] + 1) return std::nullopt;
+        auto [first, last] = std::equal_range(in_list.begin(), in_list.end(), b.get());
+        if (b.use_count() != (last - first) + 1) return std::nullopt;
       }
     }
   }
@@ -956,6 +966,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
     operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, device);
   }
   std::vector<pjrt::Buffer*> raw;
+  raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());
   pjrt::ExecutablePtr exe = plan.compiled->program->executable();
   auto result = exe->execute(raw);
@@ -972,6 +983,10 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
       install_buffer(storage_state(fresh[k]), result.outputs[k]);
     }
   }
+  std::vector<pjrt::BufferPtr> spent;
+  spent.reserve(plan.donated.size());
+  for (auto [operand, output] : plan.donated) spent.push_back(std::move(operands[operand]));
+  release_spent(std::move(spent));
   if (plan.compiled->checks) {
     std::vector<graph::SourceLocation> locations;
     for (size_t k : plan.compiled->checked_ops) locations.push_back(plan.locations[k]);
@@ -984,6 +999,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   track(device, std::move(result.done), std::move(exe));
   static const c10::DispatchKeySet keys = at::empty({0}, at::TensorOptions().device(kTpu)).key_set();
   std::vector<std::optional<at::Tensor>> outs;
+  outs.reserve(plan.outputs.size());
   for (const ReplayOutput& r : plan.outputs) {
     if (r.kind == ReplayOutput::None) {
       outs.emplace_back();

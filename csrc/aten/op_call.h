@@ -171,6 +171,9 @@ struct SchemaFacts {
   std::optional<size_t> indices_at, self_at;       // those arguments' positions
   std::vector<char> writes;         // per argument: the op writes it (alias info, or the entry's extra_writes)
   std::vector<char> runtime_float;  // per argument: one of the entry's runtime float operands
+  bool is_copy = false;              // "copy" (copy_, copy): CPU sources may come in
+  bool is_copy_ = false;             // aten::copy_ itself
+  bool is_cat = false;               // aten::cat
 };
 const SchemaFacts& schema_facts(const c10::FunctionSchema& s);
 

@@ -12,6 +12,9 @@ namespace torch_pjrt::pjrt {
 class Buffer {
  public:
   Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer);
+  // A buffer whose type is known (a program's output): no queries to the plugin.
+  Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer, ElementType type, std::vector<int64_t> dims)
+      : plugin_(std::move(plugin)), buffer_(buffer), type_(type), dims_(std::move(dims)) {}
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;

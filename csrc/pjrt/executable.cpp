@@ -62,7 +62,17 @@ LoadedExecutable::Result LoadedExecutable::execute(const std::vector<Buffer*>& a
 
   Result result;
   result.outputs.reserve(num_outputs_);
-  for (PJRT_Buffer* b : raw_outputs) result.outputs.push_back(std::make_shared<Buffer>(plugin_, b));
+  std::lock_guard<std::mutex> lock(output_types_mutex_);
+  if (output_types_.empty()) {
+    for (PJRT_Buffer* b : raw_outputs) {
+      result.outputs.push_back(std::make_shared<Buffer>(plugin_, b));
+      output_types_.emplace_back(result.outputs.back()->element_type(), result.outputs.back()->dims());
+    }
+  } else {
+    for (size_t k = 0; k < raw_outputs.size(); ++k)
+      result.outputs.push_back(
+          std::make_shared<Buffer>(plugin_, raw_outputs[k], output_types_[k].first, output_types_[k].second));
+  }
   if (done) result.done = std::make_unique<Event>(plugin_, done);
   return result;
 }

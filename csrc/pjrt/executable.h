@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,10 @@ class LoadedExecutable {
   PJRT_Device* device_;
   PJRT_LoadedExecutable* exe_;
   size_t num_outputs_ = 0;
+  // Output types, learned from the first execution's buffers (a compiled
+  // program's are fixed): later results skip two plugin queries per buffer.
+  mutable std::vector<std::pair<ElementType, std::vector<int64_t>>> output_types_;
+  mutable std::mutex output_types_mutex_;
 };
 
 using ExecutablePtr = std::shared_ptr<LoadedExecutable>;
