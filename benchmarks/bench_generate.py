@@ -7,7 +7,7 @@
   the steady state); whether the tokens equal the CPU's (each row in a fresh process: no program compiled before it);
 
 for the default dynamic KV cache and `cache_implementation="static"`, in fused and strict mode, for one prompt
-and (static cache) a batch of 2 prompts (input_ids and attention_mask grow by a column per row: row cats);
+and a batch of 2 prompts (input_ids and attention_mask grow by a column per row, a dynamic cache by a row per head: row cats);
 `--left-pad` adds batches whose second prompt is 3 tokens shorter, left-padded (a mask with zeros), for both caches.
 
     PYTHONPATH=python python benchmarks/bench_generate.py [--tokens 16] [--modes fused,strict] [--batches 1,2] [--left-pad]
@@ -105,7 +105,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--modes", default="fused,strict")
-    parser.add_argument("--batches", default="1,2", help="prompts per generate(); batches over 1 use the static cache")
+    parser.add_argument("--batches", default="1,2", help="prompts per generate()")
     parser.add_argument("--left-pad", action="store_true", help="also batches with a left-padded prompt (batch NNp)")
     parser.add_argument("--one", help="kind,cache,mode,batch[p]: measure one row in this process (p: left-padded)")
     args = parser.parse_args()
@@ -117,7 +117,7 @@ def main():
     print(f"{'model':6s} {'cache':8s} {'batch':>5s} {'mode':7s} {'cpu tok/s':>10s} {'cold tok/s':>11s} {'warm tok/s':>11s} "
           f"{'warm/cpu':>9s} {'cold comp/tok':>14s} {'warm comp':>10s} {'new len c/tok':>13s} {'same':>5s}", flush=True)
     rows = [(cache, 1) for cache in ("dynamic", "static")]
-    rows += [("static", int(b)) for b in args.batches.split(",") if int(b) > 1]
+    rows += [(cache, int(b)) for cache in ("dynamic", "static") for b in args.batches.split(",") if int(b) > 1]
     if args.left_pad:
         rows += [(cache, f"{b}p") for cache in ("dynamic", "static") for b in args.batches.split(",") if int(b) > 1]
     for kind in ("gpt2", "llama"):

@@ -134,7 +134,9 @@ struct KeyBuilder {
     // Lazy conjugate / negative views: the value read is conj(data) / -data.
     if (t.is_conj()) key += '*';
     if (t.is_neg()) key += '~';
-    if (!shapeless) {
+    // A flat cat's strided piece is read through its strides: they and its sizes are in the key.
+    const bool layout = !shapeless || (t.device().type() == kTpu && !t.is_contiguous());
+    if (layout) {
       for (int64_t s : t.sizes()) num(s);
     } else {
       key += 'r';  // the rank still decides broadcasting and type promotion (a 0-d tensor)
@@ -145,11 +147,15 @@ struct KeyBuilder {
       TORCH_CHECK(call.device == t.device().index(), "Expected all tensors to be on the same device, but found ",
                   "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
       key += 't';
-      if (!shapeless)
+      const StorageState& st = storage_state(t.storage());
+      if (layout && st.capacity > 0 && !t.is_contiguous()) {
+        runtime_strides(t);
+        runtime_offset = true;  // overlap with another argument is checked per call
+      } else if (layout) {
         for (int64_t s : t.strides()) num(s);
+      }
       key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
       runtime_offset = runtime_offset || t.storage_offset() != 0;
-      const StorageState& st = storage_state(t.storage());
       std::optional<lowering::TensorType> type = checked_storage_type(st);
       num(static_cast<int64_t>(extent_bytes(st)));  // a capacity storage keys by its capacity
       if (st.capacity > 0) key += 'k';  // its strided views read at runtime strides (CallContext::view_of)
@@ -176,6 +182,23 @@ struct KeyBuilder {
       supported = false;
       why = "a tensor on " + t.device().str();
     }
+  }
+  // A strided view of a capacity storage (`ids[:, -1:]` of a batch of growing sequences) is read
+  // at runtime strides (CallContext::view_of), which grow with the sequence. The key holds what
+  // meta kernels decide output layouts from: the strides of size-1 dims, which other strides are
+  // zero or larger than which, density and the suggested memory format.
+  void runtime_strides(const at::Tensor& t) {
+    const auto sizes = t.sizes(), strides = t.strides();
+    key += 'v';
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] == 1) num(strides[d]);
+      else key += strides[d] == 0 ? 'z' : 's';
+    }
+    for (size_t i = 0; i < sizes.size(); ++i)
+      for (size_t j = i + 1; j < sizes.size(); ++j)
+        if (sizes[i] != 1 && sizes[j] != 1) key += strides[i] < strides[j] ? '<' : strides[i] == strides[j] ? '=' : '>';
+    key += t.is_non_overlapping_and_dense() ? 'D' : 'd';
+    key += static_cast<char>('0' + static_cast<int>(t.suggest_memory_format()));
   }
   void value(const c10::IValue& v, const c10::Argument& a, bool bake_scalars, Call& call) {
     if (v.isNone()) {
@@ -505,12 +528,17 @@ class CallContext final : public lowering::Context {
     for (size_t k = 0; k < list.size(); ++k) {
       at::Tensor t = list.get(k);
       int item = static_cast<int>(k);
-      graph::StridedView view = view_of(t, i, item);
-      int64_t count = storage_count(t);
-      Value data = graph::storage_as(b, storage_param(t, i, item), view.element, count);
-      if (view.runtime_offset) {  // from the piece's start; padded so the slice never clamps
-        Value padded = b.pad(data, b.constant(0, data.element()), {0}, {count}, {0});
-        data = b.dynamic_slice(padded, {*view.runtime_offset}, {count});
+      Value data;
+      if (!t.is_contiguous()) {  // a later piece (flat_cat_pieces): its values, in order
+        data = b.reshape(value_of(t, i, item), {t.numel()});
+      } else {
+        graph::StridedView view = view_of(t, i, item);
+        int64_t count = storage_count(t);
+        data = graph::storage_as(b, storage_param(t, i, item), view.element, count);
+        if (view.runtime_offset) {  // from the piece's start; padded so the slice never clamps
+          Value padded = b.pad(data, b.constant(0, data.element()), {0}, {count}, {0});
+          data = b.dynamic_slice(padded, {*view.runtime_offset}, {count});
+        }
       }
       std::optional<Value> start, length;
       if (k > 0 && !rows) start = runtime_int(OperandRef{OperandRef::Position, i, item, ElementType::S64});
@@ -1707,9 +1735,12 @@ std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const C
   int64_t dim = call.args[1].toInt();
   if (dim < -first.dim() || dim >= first.dim()) return std::nullopt;  // the meta kernel's error
   dim = dim < 0 ? dim + first.dim() : dim;
+  if (!first.is_contiguous()) return std::nullopt;  // the growing piece is read flat
   for (const at::Tensor& t : list) {
+    // Later pieces (the new token: a KV projection's transposed view) may be strided: read
+    // through their strides, which the key then holds (KeyBuilder::tensor).
     if (!t.defined() || t.device() != first.device() || t.device().type() != kTpu ||
-        t.scalar_type() != first.scalar_type() || t.dim() != first.dim() || t.numel() == 0 || !t.is_contiguous() ||
+        t.scalar_type() != first.scalar_type() || t.dim() != first.dim() || t.numel() == 0 ||
         t.is_conj() || t.is_neg() || !element_of(t.scalar_type()))
       return std::nullopt;
     for (int64_t d = 0; d < t.dim(); ++d)

@@ -14,7 +14,8 @@ extents and its result's power-of-two capacity; positions are runtime operands. 
 - elementwise ops over growing tensors (a mask's `.bool()`, `masked_fill_`) keep capacity storages, and
   `F.pad` of one to a fixed width reads it padded: left-padded batches decode with the static cache compiling nothing
   per token; in-place ops on part of a growing tensor stay exact;
-- the dynamic KV cache compiles nothing per token inside a capacity bucket (attention over a padded cache).
+- the dynamic KV cache compiles nothing per token inside a capacity bucket (attention over a padded cache), for one
+  prompt or a batch (whose new keys are strided pieces of the cache's row cat).
 """
 import warnings
 
@@ -167,6 +168,49 @@ def test_row_cats_of_several_leading_dims_pieces_at_offsets_and_floats(mode):
     b = torch.randint(-50, 50, (2, 3, 5))
     f = torch.randn(4, 6)
     assert_exact_in(mode, pieces, a, b, f)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cache_grown_by_strided_pieces_matches_cpu(mode):
+    # A batch's KV cache [batch, heads, length, width] grows by a transposed view per step (the new token's key):
+    # a row cat whose later piece is read through its strides.
+    def grow(cache, steps):
+        outs = []
+        for i in range(steps.shape[1]):
+            qkv = steps[:, i:i + 1] * (i + 1)                           # [2, 1, 24]: a fused projection's output
+            new = qkv[..., 12:].view(2, 1, 3, 4).transpose(1, 2)        # [2, 3, 1, 4], strides (24, 4, 12, 1)
+            cache = torch.cat([cache, new], dim=2)
+            outs += [cache[:, :, -2:].sum(2), cache.sum((2, 3))]  # integer-valued floats: exact sums
+        return outs + [cache]
+
+    cache = torch.randint(-9, 9, (2, 3, 5, 4)).float().transpose(1, 2).contiguous().transpose(1, 2)
+    cache = torch.cat([cache, cache[:, :, :1]], dim=2)  # the first cat: a transposed piece
+    assert_exact_in(mode, grow, cache, torch.randint(-9, 9, (2, 40, 24)).float())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strided_views_of_a_growing_storage_keep_cpu_layouts(mode):
+    # Views of a capacity storage read at runtime strides; their key holds the stride order, not the values.
+    # Results' strides (clone preserves a dense layout, elementwise ops follow the inputs' order) match the CPU's.
+    def grow(x):
+        outs = []
+        for i in range(12):
+            x = torch.cat([x, x[:, -2:] + i], dim=-1)     # two columns a step: pairs stay whole
+            t = x.view(2, -1, 2)[:, -3:]                  # [2, 3, 2]: strides (L, 2, 1)
+            for v in (x[:, -1:], x[:, -4:], x[:, ::2], t, t.transpose(1, 2), t[:, :, :1].expand(2, 3, 2)):
+                outs += [v.clone(), v + 1, v * v, torch.empty_like(v).copy_(v)]
+        return outs
+
+    def check(device):
+        return grow(torch.arange(12, device=device).view(2, 6))
+
+    expected = check("cpu")
+    with torch_pjrt.mode(mode):
+        got = check("tpu")
+        strides = [g.stride() for g in got]
+        got = [g.cpu() for g in got]
+    for e, g, s in zip(expected, got, strides):
+        assert torch.equal(g, e) and s == e.stride(), (s, e.stride())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -383,11 +427,14 @@ def test_batched_static_cache_generation_compiles_nothing_per_token(left_padded,
 # so tokens inside a capacity bucket compile nothing. Before: fused 1 and strict 8-9 programs per token.
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_dynamic_cache_generation_compiles_nothing_inside_a_bucket(kind, mode):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_dynamic_cache_generation_compiles_nothing_inside_a_bucket(batch, kind, mode):
+    # A batch of 2 grows each layer's cache by the new token's transposed key and value (strided row-cat pieces)
+    # and reads input_ids[:, -1:] at runtime strides.
     pytest.importorskip("transformers")
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 128, (1, length), generator=g) for length in (6, 6, 10)]
+    prompts = [torch.randint(3, 128, (batch, length), generator=g) for length in (6, 6, 10)]
     tokens = [3 * N, 3 * N, 6]
     expected = [generate(model, p, n, "dynamic") for p, n in zip(prompts, tokens)]
     model.to("tpu")
