@@ -65,6 +65,41 @@ def test_daemon_threads_in_device_calls_do_not_crash_the_exit(mode):
         assert proc.returncode == status, proc.stderr[-3000:]
 
 
+# A compiled AdamW step donates every parameter and state; their spent handles are destroyed on a background thread
+# (release_spent). Exiting with batches still queued, and with work in flight, leaves the exit status alone, and the
+# parameters read before the exit equal the same steps on the CPU.
+_SPENT_BUFFERS_AT_EXIT = """
+import sys, torch, torch_pjrt
+def train(device, steps):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)]).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=device == "tpu")
+    step = torch.compile(opt.step, backend="tpu") if device == "tpu" else opt.step
+    x = torch.randn(4, 8).to(device)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        step()
+    return m
+ref, got = train("cpu", 5), train("tpu", 5)
+close = all(torch.allclose(a, b.cpu(), rtol=1e-4, atol=1e-5) for a, b in zip(ref.parameters(), got.parameters()))
+print("ok", close, flush=True)
+for _ in range(3):  # more donations queued, then exit without waiting
+    got(torch.randn(4, 8, device="tpu")).sum().backward()
+    torch_pjrt.sync()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_spent_buffers_queued_at_exit(mode):
+    for status in (5,):  # the script's own status, not 0 by accident
+        proc = _run(_SPENT_BUFFERS_AT_EXIT, mode, str(status))
+        assert "ok True" in proc.stdout, proc.stderr[-3000:]
+        assert "terminate" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.returncode == status, proc.stderr[-3000:]
+
+
 # Without torch_pjrt the same script with CPU tensors dies as well (a torch +
 # CPython 3.11 defect): importing torch_pjrt fixes it for CPU work too.
 _CPU_DAEMON_AT_EXIT = """
