@@ -110,7 +110,7 @@ struct KeyBuilder {
   bool allow_host = false;                         // CPU tensors of any rank may come in
   // Two arguments share a storage and some offset is not in the key: whether
   // they overlap (ATen's overlap errors) must be checked on every call.
-  bool shared_storage = false, runtime_offset = false;
+  bool shared_storage = false, runtime_offset = false;  // runtime_offset: or runtime strides (runtime_strides())
   bool complex = false;                            // a complex tensor or Scalar argument
   bool shapeless = false;                          // a flat cat: tensors' sizes and strides stay out of the key
 
@@ -1839,9 +1839,26 @@ void adopt_capacity(Call& call, int64_t capacity) {
   }
 }
 
+// The empty kernels' tensor, made without a dispatch: recording makes one per op.
+at::Tensor new_device_tensor(c10::IntArrayRef sizes, std::optional<c10::IntArrayRef> strides, at::ScalarType dtype,
+                             int device, std::optional<c10::MemoryFormat> memory_format) {
+  static const c10::DispatchKeySet keys(c10::DispatchKey::PrivateUse1);
+  element_or_throw(dtype);  // a dtype XLA has no type for must never hold (zero) data
+  c10::DeviceGuard on_device(c10::Device(kTpu, static_cast<c10::DeviceIndex>(device)));
+  c10::Allocator* allocator = c10::GetAllocator(kTpu);
+  return strides ? at::detail::empty_strided_generic(sizes, *strides, allocator, keys, dtype)
+                 : at::detail::empty_generic(sizes, allocator, keys, dtype, memory_format);
+}
+
 namespace {
-// A new result of a capacity elementwise op: the shape of this call's tensors (the plan keeps no sizes), a buffer
-// of `capacity` elements.
+// A capacity storage of `capacity` elements holding a contiguous tensor of these sizes.
+at::Tensor new_capacity_tensor(c10::IntArrayRef sizes, at::ScalarType dtype, int device, int64_t capacity) {
+  at::Tensor out = new_device_tensor(sizes, std::nullopt, dtype, device);
+  storage_state(out.storage()).capacity = static_cast<size_t>(capacity) * out.element_size();
+  return out;
+}
+
+// A new result of a capacity elementwise op: the shape of this call's tensors (the plan keeps no sizes).
 at::Tensor capacity_elementwise_output(const Call& call, at::ScalarType dtype, int64_t capacity) {
   c10::IntArrayRef sizes;
   for (const c10::IValue& v : call.args)
@@ -1849,22 +1866,7 @@ at::Tensor capacity_elementwise_output(const Call& call, at::ScalarType dtype, i
       sizes = v.toTensor().sizes();
       break;
     }
-  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(dtype).device(kTpu, call.device));
-  storage_state(out.storage()).capacity = static_cast<size_t>(capacity) * out.element_size();
-  return out;
-}
-}  // namespace
-
-namespace {
-// A new tensor on the device, as at::empty / at::empty_strided make it (empty
-// strides: contiguous) without the two dispatches: every recorded op makes one.
-at::Tensor new_output(c10::IntArrayRef dims, c10::IntArrayRef strides, at::ScalarType dtype, int device) {
-  static const c10::DispatchKeySet keys(c10::DispatchKey::PrivateUse1);
-  element_or_throw(dtype);  // a dtype XLA has no type for must never hold (zero) data
-  c10::DeviceGuard on_device(c10::Device(kTpu, static_cast<c10::DeviceIndex>(device)));
-  c10::Allocator* allocator = c10::GetAllocator(kTpu);
-  return strides.empty() ? at::detail::empty_generic(dims, allocator, keys, dtype, std::nullopt)
-                         : at::detail::empty_strided_generic(dims, strides, allocator, keys, dtype);
+  return new_capacity_tensor(sizes, dtype, call.device, capacity);
 }
 }  // namespace
 
@@ -1876,10 +1878,8 @@ at::Tensor flat_cat_output(const Call& call, int64_t capacity) {
   std::vector<int64_t> sizes = first.sizes().vec();
   sizes[dim] = 0;
   for (const at::Tensor& t : list) sizes[dim] += t.size(dim);
-  at::Tensor out = at::empty(sizes, first.options());
-  StorageState& st = storage_state(out.storage());
-  st.capacity = static_cast<size_t>(capacity) * out.element_size();
-  st.grown = true;
+  at::Tensor out = new_capacity_tensor(sizes, first.scalar_type(), call.device, capacity);
+  storage_state(out.storage()).grown = true;
   return out;
 }
 
@@ -1891,7 +1891,8 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
     else if (cached.meta.capacity > 0) outs.push_back(capacity_elementwise_output(call, p.dtype, cached.meta.capacity));
-    else outs.push_back(new_output(p.dims, p.strides, p.dtype, call.device));
+    else if (p.strides.empty()) outs.push_back(new_device_tensor(p.dims, std::nullopt, p.dtype, call.device));
+    else outs.push_back(new_device_tensor(p.dims, p.strides, p.dtype, call.device));
   }
   if (cached.cat && outs.size() == 1 && outs[0].defined() && !cached.outputs[0].write)
     storage_state(outs[0].storage()).grown = true;

@@ -531,6 +531,14 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   TORCH_CHECK(false, message);
 }
 
+// The operands a program consumed (donated), to the background thread that destroys their handles.
+void release_donated(std::vector<pjrt::BufferPtr>& operands, const std::map<int, int>& donated) {
+  std::vector<pjrt::BufferPtr> spent;
+  spent.reserve(donated.size());
+  for (auto [operand, output] : donated) spent.push_back(std::move(operands[operand]));
+  release_spent(std::move(spent));
+}
+
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   // Outputs: written storages that something besides this graph still holds
@@ -589,14 +597,11 @@ void run_graph(PendingGraph& g) {
       for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
       defer_checks(g.device, result.outputs[live.size()], compiled->checks, std::move(locations));
     }
-    std::vector<pjrt::BufferPtr> spent;
-    spent.reserve(donated.size());
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
       metrics().donated_bytes += static_cast<int64_t>(result.outputs[output]->byte_count());
-      spent.push_back(std::move(g.operands[operand]));
     }
-    release_spent(std::move(spent));
+    release_donated(g.operands, donated);
     ++metrics().executions;
     ++metrics().graphs;
     done = std::move(result.done);
@@ -983,10 +988,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
       install_buffer(storage_state(fresh[k]), result.outputs[k]);
     }
   }
-  std::vector<pjrt::BufferPtr> spent;
-  spent.reserve(plan.donated.size());
-  for (auto [operand, output] : plan.donated) spent.push_back(std::move(operands[operand]));
-  release_spent(std::move(spent));
+  release_donated(operands, plan.donated);
   if (plan.compiled->checks) {
     std::vector<graph::SourceLocation> locations;
     for (size_t k : plan.compiled->checked_ops) locations.push_back(plan.locations[k]);

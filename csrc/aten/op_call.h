@@ -205,6 +205,10 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
 // Storage operands: the caller holds storage_mutex().
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
+// What the empty kernels make on tpu device `device` (no strides: contiguous, or `memory_format`), without
+// a dispatch.
+at::Tensor new_device_tensor(c10::IntArrayRef sizes, std::optional<c10::IntArrayRef> strides, at::ScalarType dtype,
+                             int device, std::optional<c10::MemoryFormat> memory_format = std::nullopt);
 // A flat cat is `aten::cat` of contiguous tpu pieces of one dtype: with only size-1 dims
 // before its dim, its result is the pieces' flat concatenation; otherwise
 // each of its rows (the product of those dims) is the rows' concatenation.

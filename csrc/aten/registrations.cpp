@@ -25,7 +25,6 @@ namespace torch_pjrt {
 namespace {
 
 constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
-const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
 
 c10::Device tpu_device(std::optional<c10::Device> device) {
   c10::Device d = device.value_or(c10::Device(kTpu));
@@ -39,19 +38,15 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarTy
                                std::optional<at::Layout> layout, std::optional<c10::Device> device,
                                std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
-  c10::DeviceGuard guard(tpu_device(device));
   at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
-  element_or_throw(type);  // a dtype XLA has no type for must never hold (zero) data
-  return at::detail::empty_generic(size, c10::GetAllocator(kTpu), kTpuKeys, type, memory_format);
+  return new_device_tensor(size, std::nullopt, type, tpu_device(device).index(), memory_format);
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
                          std::optional<at::Layout> layout, std::optional<c10::Device> device, std::optional<bool>) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
-  c10::DeviceGuard guard(tpu_device(device));
   at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
-  element_or_throw(type);
-  return at::detail::empty_strided_generic(size, stride, c10::GetAllocator(kTpu), kTpuKeys, type);
+  return new_device_tensor(size, stride, type, tpu_device(device).index());
 }
 
 // Grows a storage in place; the bytes past the old end read as zeros.
