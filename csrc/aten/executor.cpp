@@ -113,6 +113,7 @@ struct KeyBuilder {
   bool shared_storage = false, runtime_offset = false;  // runtime_offset: or runtime strides (runtime_strides())
   bool complex = false;                            // a complex tensor or Scalar argument
   bool shapeless = false;                          // a flat cat: tensors' sizes and strides stay out of the key
+  int64_t runtime_length = 0;  // a runtime-length op: a tpu tensor's last dim of this size is keyed as 'n'
 
   void num(int64_t v) {
     key += std::to_string(v);
@@ -136,7 +137,12 @@ struct KeyBuilder {
     if (t.is_neg()) key += '~';
     // A flat cat's strided piece is read through its strides: they and its sizes are in the key.
     const bool layout = !shapeless || (t.device().type() == kTpu && !t.is_contiguous());
-    if (layout) {
+    // runtime_length_of: such a tensor is contiguous, read padded to the bound in the key.
+    const bool length_dim = runtime_length > 0 && t.device().type() == kTpu && t.dim() > 0 && t.size(-1) == runtime_length;
+    if (length_dim) {
+      for (int64_t d = 0; d + 1 < t.dim(); ++d) num(t.size(d));
+      key += 'n';
+    } else if (layout) {
       for (int64_t s : t.sizes()) num(s);
     } else {
       key += 'r';  // the rank still decides broadcasting and type promotion (a 0-d tensor)
@@ -148,7 +154,9 @@ struct KeyBuilder {
                   "tpu:", call.device, " and ", t.device(), " in ", call.schema.name());
       key += 't';
       const StorageState& st = storage_state(t.storage());
-      if (layout && st.capacity > 0 && !t.is_contiguous()) {
+      if (length_dim) {
+        key += 'C';
+      } else if (layout && st.capacity > 0 && !t.is_contiguous()) {
         runtime_strides(t);
         runtime_offset = true;  // overlap with another argument is checked per call
       } else if (layout) {
@@ -157,7 +165,10 @@ struct KeyBuilder {
       key += t.storage_offset() == 0 ? '0' : 'o';  // a nonzero offset is a runtime operand
       runtime_offset = runtime_offset || t.storage_offset() != 0;
       std::optional<lowering::TensorType> type = checked_storage_type(st);
-      num(static_cast<int64_t>(extent_bytes(st)));  // a capacity storage keys by its capacity
+      // A capacity storage keys by its capacity. A fresh destination of an op over capacity storages
+      // (`mask.bool()`: empty, then copy_) takes the op's capacity (adopt_capacity): its size is no part.
+      if (!type && st.capacity == 0 && (shapeless || length_dim)) key += 'F';
+      else num(static_cast<int64_t>(extent_bytes(st)));
       if (st.capacity > 0) key += 'k';  // its strided views read at runtime strides (CallContext::view_of)
       if (type) {
         key += static_cast<char>('a' + static_cast<int>(type->element));
@@ -573,12 +584,54 @@ class CallContext final : public lowering::Context {
     return Padded{b.reshape(values, dims), size};
   }
 
+  // A runtime-length op's tensor holding the length in its last dim (runtime_length_of): read padded.
+  bool length_padded(const at::Tensor& t) const {
+    return meta_.length_bound > 0 && meta_.length_arg >= 0 && t.defined() && t.device().type() == kTpu &&
+           t.dim() > 0 && t.size(-1) == runtime_length(call_, meta_) && storage_state(t.storage()).capacity > 0;
+  }
+  // The call's runtime length, an s64[] operand.
+  Value length_value() {
+    const at::Tensor t = item_tensor(call_.args[meta_.length_arg], meta_.length_item);
+    return runtime_int(OperandRef{OperandRef::Size, meta_.length_arg, meta_.length_item, ElementType::S64, 0,
+                                  static_cast<int>(t.dim() - 1)});
+  }
+  std::optional<Value> runtime_size(std::string_view name, int64_t dim) override {
+    auto i = call_.schema.argumentIndexWithName(name);
+    if (!i || !call_.args[*i].isTensor()) return std::nullopt;
+    const at::Tensor& t = call_.args[*i].toTensor();
+    if (!length_padded(t) || lowering::wrap_dim(dim, t.dim()) != t.dim() - 1) return std::nullopt;
+    return length_value();
+  }
+  // Rows of the storage at the runtime length, padded to the bound with the entry's padding.
+  Value read_length_padded(const at::Tensor& t, int arg, int item) {
+    const int64_t bound = meta_.length_bound, rows = t.numel() / t.size(-1);
+    const ElementType e = element_or_throw(t.scalar_type());
+    Value flat = graph::storage_as(b, storage_param(t, arg, item), e, storage_count(t));
+    Value length = length_value();
+    Value block = lowering::gather_rows(b, flat, length, rows, bound);
+    const lowering::Dims dims{rows, bound};
+    Value lane = b.iota(lowering::TensorType{ElementType::S64, dims}, 1);
+    Value fill = b.broadcast_in_dim(b.convert(b.constant(meta_.length_padding, ElementType::F64), e), dims, {});
+    block = b.select(b.compare(lane, b.broadcast_in_dim(length, dims, {}), hlo::Compare::LT), block, fill);
+    lowering::Dims sizes(t.sizes().begin(), t.sizes().end());
+    sizes.back() = bound;
+    return b.reshape(block, sizes);
+  }
+  // A padded result as its storage's flat buffer of `count` elements (rows at the runtime length).
+  Value pack_length_padded(const Value& r, int64_t count) {
+    const int64_t bound = meta_.length_bound, rows = r.type.element_count() / bound;
+    if (rows == 1 && count == bound) return b.reshape(r, {count});  // one row (arange): already in place
+    return lowering::pack_rows(b, b.reshape(r, {rows, bound}), length_value(), count);
+  }
+
   Value value_of(const at::Tensor& t, int arg, int item) {
     auto key = std::make_pair(arg, item);
     auto it = values_.find(key);
     if (it != values_.end()) return it->second;
     Value v;
-    if (meta_.capacity > 0 && t.device().type() == kTpu && t.dim() > 0) {  // capacity_elementwise_of: the whole buffer
+    if (length_padded(t)) {
+      v = read_length_padded(t, arg, item);
+    } else if (meta_.capacity > 0 && t.device().type() == kTpu && t.dim() > 0) {  // capacity_elementwise_of: the whole buffer
       if (storage_count(t) != meta_.capacity) throw lowering::Unsupported("internal: capacity mismatch");
       v = graph::storage_as(b, storage_param(t, arg, item), element_or_throw(t.scalar_type()), meta_.capacity);
     } else if (t.device().type() == kTpu) {
@@ -652,9 +705,12 @@ class CallContext final : public lowering::Context {
     return element_or_throw(arg(name).toTensor().scalar_type());
   }
   lowering::Dims tensor_dims(std::string_view name) const override {
-    auto s = arg(name).toTensor().sizes();
+    const at::Tensor& t = arg(name).toTensor();
+    auto s = t.sizes();
     if (meta_.capacity > 0 && !s.empty()) return {meta_.capacity};
-    return lowering::Dims(s.begin(), s.end());
+    lowering::Dims dims(s.begin(), s.end());
+    if (length_padded(t)) dims.back() = meta_.length_bound;
+    return dims;
   }
   size_t output_count() const override { return meta_.outputs.size(); }
   const OutputMeta& output(size_t i) const override { return meta_.outputs.at(i); }
@@ -1064,7 +1120,12 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
       else
         throw lowering::Unsupported("internal: lowering produced shape " + r.type.str());
     }
-    if (cached.outputs[i].write) {
+    if (meta.length_bound > 0 && meta.padded_outputs[i]) {  // runtime_length_of: the whole (capacity) storage
+      int64_t count = r.type.element_count();
+      if (cached.outputs[i].write)
+        count = ctx.storage_count(item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item));
+      flats.push_back(ctx.pack_length_padded(r, count));
+    } else if (cached.outputs[i].write) {
       at::Tensor target = item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item);
       graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, cached.outputs[i].item);
       int64_t count = ctx.storage_count(target);
@@ -1376,6 +1437,8 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
   kb.key += entry->elementwise ? '-' : static_cast<char>('0' + static_cast<int>(float32_precision()));
   const FlatCat flat = flat_cat_of(call);
   const int64_t elementwise_capacity = flat.capacity > 0 ? 0 : capacity_elementwise_of(call, *entry);
+  const RuntimeLength length =
+      flat.capacity > 0 || elementwise_capacity > 0 ? RuntimeLength{} : runtime_length_of(call, *entry);
   if (flat.capacity > 0) {
     kb.shapeless = true;
     kb.key += "flat";
@@ -1385,11 +1448,19 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     kb.shapeless = true;  // every tensor is 0-d or of one shape, whole buffers of this capacity
     kb.key += "cap";
     kb.num(elementwise_capacity);
+  } else if (length.length > 0) {
+    kb.runtime_length = length.length;
+    kb.key += "len";
+    kb.num(length.bound);
   }
   kb.key += '#';
   for (size_t i = 0; i < nargs; ++i) {
     if (call.args[i].isDouble() && facts.runtime_float[i]) {
       kb.key += 'f';  // a runtime operand (Context::scalar): its value is no part of the key
+      continue;
+    }
+    if (length.length > 0 && length.arg < 0 && schema.arguments()[i].name() == "end") {
+      kb.key += 'e';  // arange's length: its result is made per call, its program computes the bound
       continue;
     }
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
@@ -1412,6 +1483,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
     auto it = ctx.op_cache.find(kb.key);
     if (it != ctx.op_cache.end()) cached = it->second;
   }
+  if (cached && cached->exact_length > 0 && cached->exact_length != length.length) cached = nullptr;  // plan again
   if (cached) {
     ++metrics().op_cache_hits;
     if (kb.shared_storage && kb.runtime_offset && !call.written.empty()) check_memory_overlap(call);
@@ -1425,6 +1497,7 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
         cached->meta.capacity = elementwise_capacity;
         for (OutputMeta& o : cached->meta.outputs) o.dims = {elementwise_capacity};
       }
+      if (length.length > 0) plan_runtime_length(call, *cached, length);
     } catch (const lowering::Unsupported& e) {
       *why = e.what();
       return false;
@@ -1436,14 +1509,17 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       return false;
     }
     std::lock_guard<std::mutex> lock(ctx.op_cache_mutex);
-    ctx.op_cache.emplace(kb.key, cached);
+    ctx.op_cache.insert_or_assign(kb.key, cached);
   }
+  // Planned for its length only: a fused graph's signature holds it.
+  if (cached->exact_length > 0) kb.num(cached->exact_length);
   if (!cached->unsupported.empty()) {
     *why = cached->unsupported;
     return false;
   }
-  if (cached->meta.capacity == 0) resize_outputs(call, cached->outputs);  // capacity: written tensors keep their sizes
-  else adopt_capacity(call, cached->meta.capacity);
+  if (cached->meta.capacity > 0) adopt_capacity(call, cached->meta.capacity);  // written tensors keep their sizes
+  else if (cached->meta.length_bound > 0) resize_padded_outputs(call, *cached);
+  else resize_outputs(call, cached->outputs);
   if (cached->outputs_empty) {  // XLA rejects some zero-sized windows and gathers
     push_returns(stack, nargs, *cached, output_tensors(call, *cached));
     return true;
@@ -1839,6 +1915,210 @@ void adopt_capacity(Call& call, int64_t capacity) {
   }
 }
 
+// ---- runtime-length ops ----
+// A left-padded batch's attention mask is built anew each token from
+// `arange(length)`, comparisons broadcast against it, an index of the 2-d mask
+// by it and a sum that tests it: every shape holds the length in its last dim.
+// Such an op reads each tensor whose last dim is the length padded to a bound
+// (its rows gathered from a capacity storage at the runtime length; the
+// padding holds LoweringEntry::length_padding), computes at the bound, and
+// packs each result whose last dim is the length into a capacity storage: its
+// key and program hold the bound, the length is a runtime operand.
+namespace {
+// Covers a capacity storage contiguously from its start: read padded.
+bool covers_capacity(const at::Tensor& t) {
+  if (t.device().type() != kTpu || t.dim() == 0 || !t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() ||
+      t.is_neg())
+    return false;
+  const StorageState& st = storage_state(t.storage());
+  return st.capacity > 0 && static_cast<size_t>(t.nbytes()) == st.nbytes;
+}
+// A destination never written (`out=`, an empty made for the result): it takes the result's shape.
+bool fresh_destination(const at::Tensor& t) {
+  const StorageState& st = storage_state(t.storage());
+  return t.device().type() == kTpu && st.capacity == 0 && !storage_type(st) && t.storage_offset() == 0 &&
+         t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
+bool is_written(const Call& call, int arg) {
+  return std::find(call.written.begin(), call.written.end(), arg) != call.written.end();
+}
+// Calls fn(tensor, arg, item) for each tensor argument and list item.
+template <typename Fn>
+void for_each_tensor(const Call& call, Fn fn) {
+  for (size_t i = 0; i < call.args.size(); ++i) {
+    const c10::IValue& v = call.args[i];
+    if (v.isTensor()) {
+      fn(v.toTensor(), static_cast<int>(i), -1);
+    } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+      size_t n = v.isTensorList() ? v.toTensorList().size() : v.toList().size();
+      for (size_t k = 0; k < n; ++k) fn(item_tensor(v, static_cast<int>(k)), static_cast<int>(i), static_cast<int>(k));
+    }
+  }
+}
+
+// arange with integer Scalars into an integral dtype: its length (0 otherwise).
+int64_t arange_length(const Call& call) {
+  const auto& args = call.schema.arguments();
+  int64_t start = 0, end = 0, step = 1;
+  bool has_end = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = call.args[i];
+    const std::string& name = args[i].name();
+    if (name == "start" || name == "end" || name == "step") {
+      if (!v.isInt()) return 0;
+      (name == "start" ? start : name == "end" ? end : step) = v.toInt();
+      has_end = has_end || name == "end";
+    } else if (name == "dtype" && !v.isNone()) {
+      at::ScalarType dtype = v.toScalarType();
+      if (!at::isIntegralType(dtype, /*includeBool=*/false)) return 0;
+    } else if (name == "out") {
+      const at::Tensor& out = v.toTensor();
+      if (!at::isIntegralType(out.scalar_type(), false) || !fresh_destination(out)) return 0;
+    } else if (name == "device" && !v.isNone() && v.toDevice().type() != kTpu) {
+      return 0;
+    }
+  }
+  if (!has_end || step == 0 || (end - start) / step < 0) return 0;
+  return (end - start + step + (step > 0 ? -1 : 1)) / step;
+}
+}  // namespace
+
+RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry& entry) {
+  RuntimeLength r;
+  if (entry.bake_scalars) {  // arange: its result grows with its end
+    if (base_name(call.schema) != "arange") return {};
+    r.length = arange_length(call);
+    if (r.length < 2) return {};
+    r.bound = kMinFlatCapacity;
+    while (r.bound < r.length) r.bound *= 2;
+    return r;
+  }
+  if (!entry.elementwise && !entry.length_padding) return {};
+  // The length: the last dim of the first tensor covering a capacity storage (most calls have none).
+  for_each_tensor(call, [&](const at::Tensor& t, int arg, int item) {
+    if (r.length == 0 && t.defined() && t.dim() > 0 && t.size(-1) > 1 && covers_capacity(t)) {
+      r.length = t.size(-1);
+      r.arg = arg;
+      r.item = item;
+    }
+  });
+  if (r.length == 0) return {};
+  bool ok = true;
+  r.bound = std::numeric_limits<int64_t>::max();
+  for_each_tensor(call, [&](const at::Tensor& t, int arg, int item) {
+    if (!ok || !t.defined()) return;
+    if (t.device().type() != kTpu) {
+      ok = t.dim() == 0;  // a CPU scalar
+      return;
+    }
+    const bool written = is_written(call, arg);
+    if (t.dim() > 0 && t.size(-1) == r.length && covers_capacity(t)) {
+      const int64_t rows = t.numel() / r.length;
+      const int64_t elements = static_cast<int64_t>(extent_bytes(storage_state(t.storage())) / t.element_size());
+      r.bound = std::min(r.bound, elements / rows);
+    } else if (written) {
+      ok = fresh_destination(t);  // takes the result's shape and capacity
+    } else {
+      ok = t.dim() == 0 || (t.size(-1) == 1 && t.numel() > 0);  // broadcasts along the length
+    }
+  });
+  for (size_t i = 0; ok && i < call.args.size(); ++i) {
+    const c10::IValue& v = call.args[i];
+    if (v.isDevice()) {
+      ok = v.toDevice().type() == kTpu;
+    } else if (!v.isNone() && call.schema.arguments()[i].name() == "memory_format") {
+      auto format = v.toMemoryFormat();
+      ok = format == c10::MemoryFormat::Contiguous || format == c10::MemoryFormat::Preserve;
+    }
+  }
+  if (!ok || r.bound < r.length) return {};
+  return r;
+}
+
+int64_t runtime_length(const Call& call, const MetaResult& meta) {
+  if (meta.length_arg < 0) return arange_length(call);
+  return item_tensor(call.args[meta.length_arg], meta.length_item).size(-1);
+}
+
+namespace {
+// The call with its length `length` instead: the tensors holding it in their last dim, as meta tensors.
+Call lengthened(const Call& call, int64_t old_length, int64_t length) {
+  Call longer = call;
+  for (size_t i = 0; i < longer.args.size(); ++i) {
+    longer.args[i] = map_tensors(call.args[i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu || t.dim() == 0 || t.size(-1) != old_length) return t;
+      std::vector<int64_t> sizes = t.sizes().vec();
+      sizes.back() = length;
+      return at::empty(sizes, t.options().device(at::kMeta));
+    });
+  }
+  return longer;
+}
+}  // namespace
+
+// Which outputs hold the length in their last dim: the meta kernel once more, at the length plus one. An op
+// whose outputs depend on it otherwise is planned for this length only (CachedOp::exact_length).
+void plan_runtime_length(const Call& call, CachedOp& cached, const RuntimeLength& length) {
+  MetaResult& meta = cached.meta;
+  std::vector<bool> padded(meta.outputs.size(), length.arg < 0);  // arange: its one result
+  if (length.arg >= 0) {
+    MetaResult longer;
+    try {
+      longer = infer_meta(lengthened(call, length.length, length.length + 1));
+    } catch (const std::exception&) {
+      cached.exact_length = length.length;
+      return;
+    }
+    if (longer.outputs.size() != meta.outputs.size()) {
+      cached.exact_length = length.length;
+      return;
+    }
+    for (size_t i = 0; i < meta.outputs.size(); ++i) {
+      const lowering::Dims &a = meta.outputs[i].dims, &b = longer.outputs[i].dims;
+      if (a == b) continue;
+      bool last_only = a.size() == b.size() && !a.empty() && a.back() == length.length &&
+                       b.back() == length.length + 1 && std::equal(a.begin(), a.end() - 1, b.begin()) &&
+                       meta.strides[i].empty();
+      if (!last_only) {
+        cached.exact_length = length.length;
+        return;
+      }
+      padded[i] = true;
+    }
+  }
+  meta.length_bound = length.bound;
+  meta.length_arg = length.arg;
+  meta.length_item = length.item;
+  meta.length_padding = cached.entry->length_padding.value_or(0);
+  meta.padded_outputs = padded;
+  for (size_t i = 0; i < padded.size(); ++i)
+    if (padded[i]) meta.outputs[i].dims.back() = length.bound;
+}
+
+namespace {
+// A padded output's sizes for this call, and its buffer's elements (rows * bound).
+std::pair<std::vector<int64_t>, int64_t> padded_output_shape(const Call& call, const CachedOp& cached, size_t i) {
+  std::vector<int64_t> sizes = cached.outputs[i].dims;
+  sizes.back() = runtime_length(call, cached.meta);
+  const int64_t rows = c10::multiply_integers(sizes.begin(), sizes.end() - 1);
+  return {sizes, rows * cached.meta.length_bound};
+}
+}  // namespace
+
+// Written padded outputs take this call's sizes, and fresh ones become capacity storages.
+void resize_padded_outputs(Call& call, const CachedOp& cached) {
+  for (size_t i = 0; i < cached.outputs.size(); ++i) {
+    const OutputPlan& p = cached.outputs[i];
+    if (!p.write || !cached.meta.padded_outputs[i]) continue;
+    at::Tensor t = item_tensor(call.args[p.arg], p.item);
+    auto [sizes, elements] = padded_output_shape(call, cached, i);
+    if (!t.sizes().equals(sizes)) t.resize_(sizes);
+    StorageState& st = storage_state(t.storage());
+    if (st.capacity == 0) st.capacity = static_cast<size_t>(elements) * t.element_size();
+    if (KeyedStorage* keyed = find_keyed(call, &st)) keyed->extent = extent_bytes(st);
+  }
+}
+
 // The empty kernels' tensor, made without a dispatch: recording makes one per op.
 at::Tensor new_device_tensor(c10::IntArrayRef sizes, std::optional<c10::IntArrayRef> strides, at::ScalarType dtype,
                              int device, std::optional<c10::MemoryFormat> memory_format) {
@@ -1891,6 +2171,10 @@ std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached)
     if (p.absent) outs.emplace_back();
     else if (p.write) outs.push_back(item_tensor(call.args[p.arg], p.item));
     else if (cached.meta.capacity > 0) outs.push_back(capacity_elementwise_output(call, p.dtype, cached.meta.capacity));
+    else if (cached.meta.length_bound > 0 && cached.meta.padded_outputs[outs.size()]) {
+      auto [sizes, elements] = padded_output_shape(call, cached, outs.size());
+      outs.push_back(new_capacity_tensor(sizes, p.dtype, call.device, elements));
+    }
     else if (p.strides.empty()) outs.push_back(new_device_tensor(p.dims, std::nullopt, p.dtype, call.device));
     else outs.push_back(new_device_tensor(p.dims, p.strides, p.dtype, call.device));
   }

@@ -35,7 +35,8 @@ struct RuntimeCheck {
   Value ok;             // pred[]: the condition holds
   Value bad;            // s64[]: the offending value, for the message
   CheckError error;
-  std::string message;  // the CPU's message; "{}" stands for `bad`
+  std::string message;  // the CPU's message; "{}" stands for `bad`, "{size}" for `size`
+  std::optional<Value> size;  // s64[]: a size known at runtime only (Context::runtime_size)
 };
 
 // Argument access goes by the name in the op's schema ("self", "other", "dim").
@@ -98,6 +99,13 @@ class Context {
   };
   virtual std::optional<Padded> padded(std::string_view name, int64_t dim) { return std::nullopt; }
 
+  // A runtime-length op (executor.cpp, runtime_length_of): tensors whose last
+  // dim is the call's runtime length (a mask growing by a token per step) are
+  // read padded to a bound that tensor_dims reports, so the program does not
+  // depend on the length. This is that length (s64[]) when dim `dim` of
+  // `name` is such a dim; nothing otherwise.
+  virtual std::optional<Value> runtime_size(std::string_view name, int64_t dim) { return std::nullopt; }
+
   // Declares a runtime check (see RuntimeCheck); the executor reports the
   // first one that fails, naming the op and the user's line.
   void check(RuntimeCheck c) { checks.push_back(std::move(c)); }
@@ -123,6 +131,10 @@ struct LoweringEntry {
   // (no reductions, no runtime checks): over whole capacity storages it runs
   // on their whole buffers (executor.cpp, capacity_elementwise_of).
   bool elementwise = false;
+  // Runs on tensors padded along a runtime-length last dim (executor.cpp,
+  // runtime_length_of), the padding holding this value: the identity of a
+  // reduction, an index in range. Elementwise ops run so without one.
+  std::optional<double> length_padding;
 };
 
 // Looks up the lowering for an op's base name ("add" for add.Tensor, add_,
@@ -138,17 +150,22 @@ Value to(Builder& b, const Value& x, ElementType element, const Dims& dims);  //
 // runtime s64[]: the rows of a buffer whose row length changes at runtime (row
 // cats, Context::padded). The caller keeps every index in bounds.
 Value gather_rows(Builder& b, const Value& flat, const Value& row_length, int64_t rows, int64_t width);
+// The inverse: a flat buffer of `count` elements holding the first row_length
+// lanes of each row of `block` [rows, width] in turn (what lies past them is
+// unspecified). row_length is a runtime s64[] in [1, width].
+Value pack_rows(Builder& b, const Value& block, const Value& row_length, int64_t count);
 int64_t wrap_dim(int64_t dim, int64_t rank);
 Dims all_dims(int64_t rank);
 Value zeros_like(Builder& b, const Value& x);
 Value scalar_like(Builder& b, double v, const Value& x);
-// s64[2]: {index of the first failed check or -1, that check's bad value}.
+// s64[3]: {index of the first failed check or -1, that check's bad value, its runtime size}.
 Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
 
 // Registration: each family file defines register_<family>(Table&).
 struct Table;
 void allow_complex(Table& table, const std::string& name);  // the lowering handles complex values
 void mark_elementwise(Table& table, const std::string& name);  // see LoweringEntry::elementwise
+void allow_runtime_length(Table& table, const std::string& name, double padding);  // LoweringEntry::length_padding
 void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars = false,
                   std::vector<std::string> extra_writes = {}, std::vector<std::string> runtime_floats = {});
 void register_pointwise(Table&);

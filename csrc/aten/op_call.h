@@ -68,6 +68,14 @@ struct MetaResult {
   // A flat cat (flat_cat_of, decided when planned): its result's buffer holds
   // flat_capacity elements (0: not a flat cat), and its sizes come from each call, not from the plan.
   int64_t flat_capacity = 0, flat_rows = 1;
+  // A runtime-length op (runtime_length_of, decided when keyed): tensors whose last dim is the call's length are
+  // read padded to length_bound lanes; outputs marked in padded_outputs are made with the call's length as their
+  // last dim and packed into capacity storages of rows * length_bound elements. 0: not one. The length is the
+  // last dim of argument length_arg (item length_item), or arange's own (length_arg -1).
+  int64_t length_bound = 0;
+  int length_arg = -1, length_item = -1;
+  std::vector<bool> padded_outputs;
+  double length_padding = 0;  // LoweringEntry::length_padding
   std::vector<at::ScalarType> dtypes;
   std::vector<bool> absent;  // per output: an undefined return
   std::vector<int> return_counts;
@@ -85,6 +93,9 @@ struct CachedOp {
   bool outputs_empty = false;  // every output has zero elements: nothing to run
   bool cat = false;  // aten::cat: its result is a grown storage (StorageState::grown)
   std::string unsupported;  // set when lowering failed: the op always falls back
+  // Planned for one runtime length only (its outputs' shapes depend on the length in more than their last dim):
+  // a call with another length plans again (run_lowered).
+  int64_t exact_length = 0;
   std::vector<OperandRef> operands;
   std::vector<OutputPlan> outputs;
   std::vector<int> return_counts;  // tensors per schema return; -n-1: a Tensor[] of n; 0: undefined; kNumberReturn: an int
@@ -223,6 +234,20 @@ FlatCat flat_cat_of(const Call& call);
 // 0 otherwise.
 int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry);
 void adopt_capacity(Call& call, int64_t capacity);  // its fresh written tensors become capacity storages
+// A runtime-length op: its tensors' last dims hold a length that changes per
+// call (a mask growing by a token per step), computed padded so that its
+// program does not depend on it. Its tensors are 0-d, or have last dim 1, or
+// have the length as their last dim and cover a capacity storage (read padded
+// to `bound` lanes), or are fresh written ones. `length` 0: not one.
+struct RuntimeLength {
+  int64_t length = 0, bound = 0;
+  int arg = -1, item = -1;  // the first padded tensor (-1: arange, whose Scalars give the length)
+};
+RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry& entry);
+// The length of a call planned as a runtime-length op (MetaResult::length_bound).
+int64_t runtime_length(const Call& call, const MetaResult& meta);
+void plan_runtime_length(const Call& call, CachedOp& cached, const RuntimeLength& length);
+void resize_padded_outputs(Call& call, const CachedOp& cached);  // written padded outputs take this call's length
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt

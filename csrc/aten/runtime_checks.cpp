@@ -16,9 +16,11 @@ namespace {
 // not pile up; by then their programs have long finished.
 constexpr size_t kMaxPending = 1024;
 
-std::string with_value(std::string message, int64_t bad) {
+std::string with_values(std::string message, int64_t bad, int64_t size) {
   auto at = message.find("{}");
   if (at != std::string::npos) message.replace(at, 2, std::to_string(bad));
+  at = message.find("{size}");
+  if (at != std::string::npos) message.replace(at, 6, std::to_string(size));
   return message;
 }
 
@@ -52,10 +54,10 @@ void raise_failed_checks(int device) {
   }
   if (pending.empty()) return;
   const PendingStatus* failed = nullptr;
-  int64_t first[2] = {-1, 0};
+  int64_t first[3] = {-1, 0, 0};
   std::vector<std::pair<DeviceContext*, PendingStatus>> later;
   for (auto& [ctx, p] : pending) {
-    int64_t status[2] = {-1, 0};
+    int64_t status[3] = {-1, 0, 0};
     ++graph::metrics().check_status_reads;
     try {
       p.status->to_host(status);
@@ -70,11 +72,12 @@ void raise_failed_checks(int device) {
     failed = &p;
     first[0] = status[0];
     first[1] = status[1];
+    first[2] = status[2];
   }
   if (!failed) return;
   const CheckInfo& info = failed->checks->at(static_cast<size_t>(first[0]));
   graph::SourceLocation location = failed->locations.at(info.checked_op);
-  std::string message = c10::str(with_value(info.message, first[1]), " (in ", info.op, ", recorded at ",
+  std::string message = c10::str(with_values(info.message, first[1], first[2]), " (in ", info.op, ", recorded at ",
                                  graph::describe_source_location(location),
                                  "; found by a check on the device, raised at the next host wait)");
   for (auto it = later.rbegin(); it != later.rend(); ++it) {  // ahead of newer statuses, in their order

@@ -1,9 +1,9 @@
 // Runtime checks of programs that already ran (lowering::RuntimeCheck): a
-// program whose ops declared checks returns one more tiny value, an s64[2]
-// status {index of the first failed check or -1, its bad value}. The host
-// keeps these status buffers and reads them at its next wait anyway (a data
-// read, synchronize(), or at once in debug mode), then raises the CPU's error
-// naming the op and the user's line that recorded it. One mechanism for every
+// program whose ops declared checks returns one more tiny value, an s64[3]
+// status {index of the first failed check or -1, its bad value, a size known
+// only at runtime}. The host keeps these status buffers and reads them at its
+// next wait anyway (a data read, synchronize(), or at once in debug mode),
+// then raises the CPU's error naming the op and the user's line that recorded it. One mechanism for every
 // mode; nothing waits just for a check.
 #pragma once
 #include <memory>

@@ -61,12 +61,24 @@ std::vector<Value> lower_attention(Context& c) {
   std::optional<Value> allowed;
   auto allow = [&](Value pred) { allowed = allowed ? b.binary("and", *allowed, pred) : pred; };
   if (c.has("attn_bias")) {
-    Value bias = c.tensor("attn_bias");
-    if (length && bias.rank() > 0 && bias.dims().back() != 1) {  // the mask covers the true keys only
-      Dims high(bias.rank(), 0);
-      high.back() = keys - key_dims[2];
-      Value fill = bias.element() == ElementType::Pred ? b.constant_bool(false) : b.constant(0, bias.element());
-      bias = b.pad(bias, fill, Dims(bias.rank(), 0), high, Dims(bias.rank(), 0));
+    // With a padded cache, a mask built per token (a left-padded batch's) may itself be read padded
+    // (a runtime-length op's result); either way its lanes past the true length are masked below.
+    std::optional<Context::Padded> padded_bias;
+    const Dims bias_dims = c.tensor_dims("attn_bias");
+    if (length && !bias_dims.empty() && bias_dims.back() != 1) padded_bias = c.padded("attn_bias", -1);
+    Value bias = padded_bias ? padded_bias->value : c.tensor("attn_bias");
+    if (length && bias.rank() > 0 && bias.dims().back() != 1 && bias.dims().back() != keys) {  // fit to the padded keys
+      const int64_t have = bias.dims().back();
+      if (have > keys) {
+        Dims limit = bias.dims();
+        limit.back() = keys;
+        bias = b.slice(bias, Dims(bias.rank(), 0), limit, Dims(bias.rank(), 1));
+      } else {
+        Dims high(bias.rank(), 0);
+        high.back() = keys - have;
+        Value fill = bias.element() == ElementType::Pred ? b.constant_bool(false) : b.constant(0, bias.element());
+        bias = b.pad(bias, fill, Dims(bias.rank(), 0), high, Dims(bias.rank(), 0));
+      }
     }
     bias = broadcast_to(b, bias, score_dims);
     if (bias.element() == ElementType::Pred) allow(bias);

@@ -82,23 +82,27 @@ inline Value init_for(Builder& b, hlo::Reducer r, ElementType e) {
 // Runtime check (see RuntimeCheck) that every element of `index` lies in
 // [0, size), or in [-size, size) with `allow_negative`. The bad value shown is
 // the first offending element in row-major order, as the CPU reports.
+// With `runtime_size` (Context::runtime_size) the bound is that s64[] instead
+// of `size`, and "{size}" in the message shows it.
 inline void check_in_range(Context& c, Value index, int64_t size, bool allow_negative, CheckError error,
-                           std::string message) {
+                           std::string message, std::optional<Value> runtime_size = std::nullopt) {
   Builder& b = c.b;
   int64_t n = index.type.element_count();
   if (n == 0) return;
   // The barrier keeps XLA from folding the check of a constant index (a
   // `torch.zeros` index): XLA:CPU folded it to a failure.
   Value flat = b.unary("optimization_barrier", b.reshape(b.convert(index, ElementType::S64), {n}));
-  Value below = b.compare(flat, b.constant_int(allow_negative ? -size : 0, ElementType::S64, {n}), hlo::Compare::LT);
-  Value above = b.compare(flat, b.constant_int(size, ElementType::S64, {n}), hlo::Compare::GE);
+  Value upper = runtime_size ? b.broadcast_in_dim(*runtime_size, {n}, {}) : b.constant_int(size, ElementType::S64, {n});
+  Value lower = allow_negative ? b.unary("negate", upper) : b.constant_int(0, ElementType::S64, {n});
+  Value below = b.compare(flat, lower, hlo::Compare::LT);
+  Value above = b.compare(flat, upper, hlo::Compare::GE);
   Value positions = b.iota(TensorType{ElementType::S64, {n}}, 0);
   Value none = b.constant_int(n, ElementType::S64);
   Value marked = b.select(b.binary("or", below, above), positions, b.broadcast_in_dim(none, {n}, {}));
   Value first = b.reduce(marked, none, {0}, hlo::Reducer::Min);
   Value at = b.binary("minimum", first, b.constant_int(n - 1, ElementType::S64));
   Value bad = b.reshape(b.dynamic_slice(flat, {at}, {1}), {});
-  c.check(RuntimeCheck{b.compare(first, none, hlo::Compare::EQ), bad, error, std::move(message)});
+  c.check(RuntimeCheck{b.compare(first, none, hlo::Compare::EQ), bad, error, std::move(message), runtime_size});
 }
 
 // Integer division by zero: the CPU raises RuntimeError("ZeroDivisionError").

@@ -33,10 +33,11 @@ void check_index_select(Context& c, const Value& index, const Value& x, int64_t 
                  "INDICES element is out of DATA bounds, id={} axis_dim=" + std::to_string(x.dims()[1]));
 }
 
-// Negative indices count from the end, as in Python.
-Value wrap_negative(Builder& b, Value i, int64_t size) {
+// Negative indices count from the end, as in Python (a runtime-length dim: from its runtime size).
+Value wrap_negative(Builder& b, Value i, int64_t size, std::optional<Value> runtime_size = std::nullopt) {
   Value zero = b.constant_int(0, ElementType::S64, i.dims());
-  Value shifted = b.binary("add", i, b.constant_int(size, ElementType::S64, i.dims()));
+  Value end = runtime_size ? b.broadcast_in_dim(*runtime_size, i.dims(), {}) : b.constant_int(size, ElementType::S64, i.dims());
+  Value shifted = b.binary("add", i, end);
   return b.select(b.compare(i, zero, hlo::Compare::LT), shifted, i);
 }
 
@@ -245,8 +246,11 @@ IndexPlan plan_index(Context& c, const Value& x, const std::vector<std::optional
   for (size_t k = 0; k < indexed.size(); ++k) {
     int64_t d = indexed[k];
     // CPU's message numbers the indexed dims only (x[:, i] reports dimension 0).
-    check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, out_of_bounds(static_cast<int64_t>(k), x.dims()[d]));
-    Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d]), p.batch);
+    std::optional<Value> runtime_size = c.runtime_size("self", d);  // a mask growing per token
+    std::string message = runtime_size ? "index {} is out of bounds for dimension " + std::to_string(k) + " with size {size}"
+                                       : out_of_bounds(static_cast<int64_t>(k), x.dims()[d]);
+    check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, message, runtime_size);
+    Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d], runtime_size), p.batch);
     parts.push_back(b.reshape(i, with_one));
   }
   p.coords = b.concatenate(parts, static_cast<int64_t>(p.batch.size()));
@@ -329,6 +333,7 @@ void register_indexing(Table& t) {
            {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
            {"index_put", lower_index_put}, {"index_copy", lower_index_copy}, {"embedding_dense_backward", lower_embedding_dense_backward}})
     add_lowering(t, name, fn);
+  allow_runtime_length(t, "index", 0);  // padded index lanes read element 0; checks use the runtime size
 }
 
 }  // namespace torch_pjrt::lowering

@@ -264,6 +264,10 @@ void register_reduction(Table& t) {
            {"median", lower_median}, {"nanmedian", lower_nanmedian}})
     add_lowering(t, name, fn);
   add_lowering(t, "linalg_vector_norm", lower_linalg_vector_norm, /*bake_scalars=*/true);
+  // Over a mask growing per token (transformers checks `mask.sum() == mask.numel()`): the padding is the identity.
+  for (auto [name, identity] : std::initializer_list<std::pair<const char*, double>>{
+           {"sum", 0}, {"nansum", 0}, {"prod", 1}, {"any", 0}, {"all", 1}, {"count_nonzero", 0}})
+    allow_runtime_length(t, name, identity);
 }
 
 }  // namespace torch_pjrt::lowering

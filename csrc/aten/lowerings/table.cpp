@@ -25,6 +25,9 @@ LoweringEntry& entry_named(Table& table, const std::string& name) {
 }  // namespace
 
 void mark_elementwise(Table& table, const std::string& name) { entry_named(table, name).elementwise = true; }
+void allow_runtime_length(Table& table, const std::string& name, double padding) {
+  entry_named(table, name).length_padding = padding;
+}
 void allow_complex(Table& table, const std::string& name) { entry_named(table, name).complex = true; }
 
 namespace {
@@ -101,6 +104,18 @@ Value gather_rows(Builder& b, const Value& flat, const Value& row_length, int64_
   return b.gather(flat, b.reshape(source, {rows, width, 1}), Builder::GatherDims{{}, {0}, {}, {}, {0}, 2}, {1}, block);
 }
 
+Value pack_rows(Builder& b, const Value& block, const Value& row_length, int64_t count) {
+  const int64_t rows = block.dims()[0], width = block.dims()[1];
+  const TensorType index{ElementType::S64, {count}};
+  Value i = b.iota(index, 0), n = b.broadcast_in_dim(row_length, {count}, {});
+  // Element i is lane i % n of row i / n; rows past the last clamp (their lanes are unspecified).
+  Value row = b.binary("minimum", b.binary("divide", i, n), b.constant_int(rows - 1, ElementType::S64, {count}));
+  Value source = b.binary("add", b.binary("multiply", row, b.constant_int(width, ElementType::S64, {count})),
+                          b.binary("remainder", i, n));
+  return b.gather(b.reshape(block, {rows * width}), b.reshape(source, {count, 1}),
+                  Builder::GatherDims{{}, {0}, {}, {}, {0}, 1}, {1}, {count});
+}
+
 int64_t wrap_dim(int64_t dim, int64_t rank) {
   int64_t r = std::max<int64_t>(rank, 1);
   return dim < 0 ? dim + r : dim;
@@ -118,13 +133,14 @@ Value scalar_like(Builder& b, double v, const Value& x) { return b.constant(v, x
 Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks) {
   // From the last check to the first, so the first failure wins: two scalar
   // selects per check.
-  Value index = b.constant_int(-1, ElementType::S64), bad = b.constant_int(0, ElementType::S64);
+  Value index = b.constant_int(-1, ElementType::S64), bad = b.constant_int(0, ElementType::S64), size = bad;
   for (size_t k = checks.size(); k-- > 0;) {
     Value failed = b.unary("not", checks[k].ok);
     index = b.select(failed, b.constant_int(static_cast<int64_t>(k), ElementType::S64), index);
     bad = b.select(failed, checks[k].bad, bad);
+    if (checks[k].size) size = b.select(failed, *checks[k].size, size);
   }
-  return b.concatenate({b.reshape(index, {1}), b.reshape(bad, {1})}, 0);
+  return b.concatenate({b.reshape(index, {1}), b.reshape(bad, {1}), b.reshape(size, {1})}, 0);
 }
 
 }  // namespace torch_pjrt::lowering
