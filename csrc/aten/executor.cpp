@@ -1459,8 +1459,9 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       kb.key += 'f';  // a runtime operand (Context::scalar): its value is no part of the key
       continue;
     }
-    if (length.length > 0 && length.arg < 0 && schema.arguments()[i].name() == "end") {
-      kb.key += 'e';  // arange's length: its result is made per call, its program computes the bound
+    if (length.length > 0 && length.arg < 0 &&
+        (schema.arguments()[i].name() == "end" || schema.arguments()[i].name() == "start")) {
+      kb.key += 'e';  // arange's length (its result is made per call, its program computes the bound) and start
       continue;
     }
     kb.value(call.args[i], schema.arguments()[i], entry->bake_scalars, call);
@@ -1983,12 +1984,15 @@ int64_t arange_length(const Call& call) {
 }
 }  // namespace
 
+constexpr int64_t kMaxRuntimeArange = int64_t{1} << 20;
+
 RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry& entry) {
   RuntimeLength r;
   if (entry.bake_scalars) {  // arange: its result grows with its end
     if (base_name(call.schema) != "arange") return {};
     r.length = arange_length(call);
-    if (r.length < 2) return {};
+    // Small ones only (a mask's positions): the buffer is up to twice the length.
+    if (r.length < 2 || r.length > kMaxRuntimeArange) return {};
     r.bound = kMinFlatCapacity;
     while (r.bound < r.length) r.bound *= 2;
     return r;

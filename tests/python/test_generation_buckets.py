@@ -15,7 +15,10 @@ extents and its result's power-of-two capacity; positions are runtime operands. 
   `F.pad` of one to a fixed width reads it padded: left-padded batches decode with the static cache compiling nothing
   per token; in-place ops on part of a growing tensor stay exact;
 - the dynamic KV cache compiles nothing per token inside a capacity bucket (attention over a padded cache), for one
-  prompt or a batch (whose new keys are strided pieces of the cache's row cat).
+  prompt or a batch (whose new keys are strided pieces of the cache's row cat);
+- runtime-length ops (the 4-d mask transformers builds per token for a left-padded batch: arange, broadcast
+  comparisons, an index of the 2-d mask, sums) give the CPU's values and errors and compile nothing inside a bucket,
+  so left-padded batches decode with the dynamic cache compiling nothing per token too.
 """
 import warnings
 
@@ -315,6 +318,92 @@ def test_capacity_elementwise_keys_keep_rank_and_emptiness(mode):
         assert_exact_in(mode, order, x, x)
 
 
+# ---- runtime-length ops: the mask transformers builds per token -------------------------------------------------
+
+
+def mask_chain(mask, per_length_op=True):
+    """What transformers' sdpa_mask computes from a left-padded batch's 2-d mask at a decode step, and more ops over
+    the same growing last dim (reductions, aranges with steps, an index whose result holds the length twice)."""
+    dev, n, batch = mask.device, mask.shape[-1], mask.shape[0]
+    padding = mask.bool()
+    all_ones = padding.sum() == padding.numel()
+    kv = torch.arange(n, device=dev) + 0
+    q = torch.arange(1, device=dev) + (n - 1)
+    rows = torch.arange(batch, device=dev)
+    allowed = q.new_ones((), dtype=torch.bool) & (kv[None, None, None, :] <= q[None, None, None, :])
+    allowed = allowed & padding[rows[:, None, None, None], kv[None, None, None, :]]
+    allowed = allowed.expand(batch, -1, 1, n)
+    bias = torch.where(allowed, torch.tensor(0.0, device=dev), torch.tensor(float("-inf"), device=dev))
+    outs = [all_ones, allowed, bias, bias.sum(-1), padding.any(-1), padding.all(-1), (mask + 1).prod(-1),
+            padding[:, -2:].sum(-1), padding.sum(0), kv, torch.arange(2, n, 3, device=dev),
+            torch.arange(n, 0, -2, device=dev, dtype=torch.int32)]
+    if per_length_op:  # results holding the length in two dims: keyed, or planned (CachedOp::exact_length), per length
+        outs += [kv[:, None] - kv[None, :], kv[None, :][kv[None, :] * 0]]
+    return outs
+
+
+def grow_mask(steps, start=5):
+    m = torch.ones(2, start, dtype=torch.long)
+    m[1, :2] = 0
+    for s in range(steps):
+        yield m
+        m = torch.cat([m, torch.full((2, 1), 1 - s % 3 // 2, dtype=m.dtype, device=m.device)], -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_runtime_length_ops_match_cpu_across_buckets(mode):
+    # 5 to 69 columns: the mask's capacity crosses 64 and 128 (2 rows), aranges cross 64.
+    expected = [mask_chain(m) for m in grow_mask(65)]
+    with torch_pjrt.mode(mode):
+        m = None
+        for step, want in enumerate(expected):
+            m = torch.ones(2, 5, dtype=torch.long) if m is None else m
+            m = grown = m.to("tpu") if step == 0 else torch.cat(
+                [m, torch.full((2, 1), 1 - (step - 1) % 3 // 2, dtype=m.dtype, device="tpu")], -1)
+            if step == 0:
+                grown[1, :2] = 0
+            for e, g in zip(want, mask_chain(grown)):
+                assert g.dtype == e.dtype and g.shape == e.shape, (step, g.shape, e.shape)
+                torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_runtime_length_ops_inside_a_bucket_compile_nothing(mode):
+    with torch_pjrt.mode(mode):
+        masks = [m.to("tpu") for m in grow_mask(1, 8)]
+        m = masks[0]
+        for _ in range(3):  # warm-up: the first row cat, then a capacity storage extended
+            m = torch.cat([m, m[:, -1:] * 1], -1)
+            [t.cpu() for t in mask_chain(m, False)]
+        before = compiles()
+        for _ in range(18):  # 11 to 29 columns: capacity 64 for the mask (2 rows) and the aranges
+            m = torch.cat([m, m[:, -1:] * 1], -1)
+            last = [t.cpu() for t in mask_chain(m, False)]
+        assert compiles() == before, torch_pjrt.explain()
+    for e, g in zip(mask_chain(m.cpu(), False), last):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_runtime_length_index_out_of_range_raises_as_on_cpu(mode):
+    # The bound of a runtime-length dim is its runtime size, not the padded bound, and the message shows it.
+    def bad(mask):
+        kv = torch.arange(mask.shape[-1], device=mask.device)
+        rows = torch.arange(2, device=mask.device)
+        return mask.bool()[rows[:, None], kv[None, :] + 1]
+
+    m = torch.ones(2, 12, dtype=torch.long)
+    with pytest.raises(IndexError) as cpu:
+        bad(m)
+    with torch_pjrt.mode(mode):
+        grown = torch.cat([m[:, :6].to("tpu"), m[:, 6:].to("tpu")], -1)
+        with pytest.raises(IndexError) as tpu:
+            bad(grown).cpu()
+        ok = grown.bool()[torch.arange(2, device="tpu")[:, None], torch.arange(12, device="tpu")[None, :] - 12]
+        torch.testing.assert_close(ok.cpu(), m.bool(), rtol=0, atol=0)  # negative indices count from the runtime end
+    assert str(cpu.value) in str(tpu.value), (str(cpu.value), str(tpu.value))
+
+
 def test_pad_value_out_of_range_raises_as_on_cpu():
     x = torch.ones(2, dtype=torch.half)
     with pytest.raises(RuntimeError) as cpu:
@@ -427,24 +516,32 @@ def test_batched_static_cache_generation_compiles_nothing_per_token(left_padded,
 # so tokens inside a capacity bucket compile nothing. Before: fused 1 and strict 8-9 programs per token.
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, "2p"])
 def test_dynamic_cache_generation_compiles_nothing_inside_a_bucket(batch, kind, mode):
     # A batch of 2 grows each layer's cache by the new token's transposed key and value (strided row-cat pieces)
-    # and reads input_ids[:, -1:] at runtime strides.
+    # and reads input_ids[:, -1:] at runtime strides. Left-padded ("2p"), transformers builds a 4-d mask from the
+    # growing 2-d one each token: runtime-length ops.
     pytest.importorskip("transformers")
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 128, (batch, length), generator=g) for length in (6, 6, 10)]
+    rows = 2 if batch == "2p" else batch
+    prompts = [torch.randint(3, 128, (rows, length), generator=g) for length in (6, 6, 10)]
+    masks = [torch.ones_like(p) for p in prompts]
+    if batch == "2p":
+        for p, m in zip(prompts, masks):
+            p[1, :3], m[1, :3] = 0, 0
     tokens = [3 * N, 3 * N, 6]
-    expected = [generate(model, p, n, "dynamic") for p, n in zip(prompts, tokens)]
+    expected = [generate(model, p, n, "dynamic", mask=m) for p, n, m in zip(prompts, tokens, masks)]
     model.to("tpu")
     with torch_pjrt.mode(mode):
-        got = [generate(model, prompts[0].to("tpu"), tokens[0], "dynamic")]  # warm-up: cache lengths 6 to 17
+        run = lambda k, counter=None: generate(model, prompts[k].to("tpu"), tokens[k], "dynamic", counter,
+                                               masks[k].to("tpu"))
+        got = [run(0)]  # warm-up: cache lengths 6 to 17
         before = compiles()
-        got.append(generate(model, prompts[1].to("tpu"), tokens[1], "dynamic"))  # the same lengths again
+        got.append(run(1))  # the same lengths again
         same_lengths = compiles() - before
         counter = CompileCounter()  # a new prompt length: cache lengths 10 to 15, inside one capacity bucket
-        got.append(generate(model, prompts[2].to("tpu"), tokens[2], "dynamic", counter))
+        got.append(run(2, counter))
     for (e_ids, e_logits), (ids, logits) in zip(expected, got):
         torch.testing.assert_close(ids, e_ids, rtol=0, atol=0)
         torch.testing.assert_close(logits, e_logits, rtol=1e-4, atol=1e-4)

@@ -174,15 +174,21 @@ std::vector<Value> lower_topk(Context& c) {
 // ---- factories (their out= forms: `torch.arange(..., device="tpu")` ends here) ----
 
 // start + i * step, computed in f64 (or s64 for integer outputs) as PyTorch's
-// CPU kernel accumulates; the bounds are baked: they decide the length.
+// CPU kernel accumulates; the bounds are baked: they decide the length. An
+// integer start is a runtime operand: a runtime-length arange
+// (executor.cpp, runtime_length_of) keys neither it nor its end.
 std::vector<Value> lower_arange(Context& c) {
   const OutputMeta& o = c.output(0);
   bool integral = !is_float(o.element);
   ElementType e = integral ? ElementType::S64 : ElementType::F64;
-  double start = c.has("start") ? c.scalar_value("start") : 0, step = c.has("step") ? c.scalar_value("step") : 1;
+  double step = c.has("step") ? c.scalar_value("step") : 1;
+  Value start = c.b.constant(0, e, o.dims);
+  if (c.has("start") && integral && c.scalar_kind("start") == ElementType::S64)
+    start = c.b.broadcast_in_dim(c.scalar("start", e), o.dims, {});
+  else if (c.has("start"))
+    start = c.b.constant(c.scalar_value("start"), e, o.dims);
   Value i = c.b.iota(TensorType{e, o.dims}, 0);
-  Value v = c.b.binary("add", c.b.binary("multiply", i, c.b.constant(step, e, o.dims)), c.b.constant(start, e, o.dims));
-  return {v};
+  return {c.b.binary("add", c.b.binary("multiply", i, c.b.constant(step, e, o.dims)), start)};
 }
 
 // Symmetric like PyTorch's: the first half counts up from start, the second
