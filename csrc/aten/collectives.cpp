@@ -68,6 +68,7 @@ pjrt::BufferPtr dense_buffer(at::Tensor t, ElementType element) {
     return b;
   };
   if (auto b = whole(t)) return b;
+  ExactShapes exact;  // not a capacity storage's larger buffer (a mask grown by cats, an arange)
   at::Tensor dense = t.resolve_conj().resolve_neg().clone(at::MemoryFormat::Contiguous);
   auto b = whole(dense);
   TORCH_CHECK(b, "internal: a dense copy of a ", t.sizes(), " tensor has no matching buffer");

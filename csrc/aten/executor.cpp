@@ -1470,7 +1470,11 @@ bool run_lowered(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::s
       return false;
     }
   }
-  if (call.device < 0) call.device = current_device();
+  if (call.device < 0) {  // a factory: its device argument (torch.arange(n, device="tpu:1")), else the current one
+    for (const c10::IValue& v : call.args)
+      if (v.isDevice() && v.toDevice().type() == kTpu && v.toDevice().has_index()) call.device = v.toDevice().index();
+    if (call.device < 0) call.device = current_device();
+  }
   check_host_indices(call);
   if (kb.complex && !entry->complex) {
     *why = "no complex lowering";
@@ -1827,7 +1831,14 @@ std::optional<std::pair<c10::List<at::Tensor>, int64_t>> flat_cat_pieces(const C
 }
 }  // namespace
 
+namespace {
+thread_local bool g_exact_shapes = false;  // see ExactShapes
+}  // namespace
+ExactShapes::ExactShapes() : previous_(g_exact_shapes) { g_exact_shapes = true; }
+ExactShapes::~ExactShapes() { g_exact_shapes = previous_; }
+
 FlatCat flat_cat_of(const Call& call) {
+  if (g_exact_shapes) return {};
   auto pieces = flat_cat_pieces(call);
   if (!pieces) return {};
   const at::Tensor first = pieces->first.get(0);
@@ -1855,7 +1866,7 @@ FlatCat flat_cat_of(const Call& call) {
 // computes garbage that nothing reads), so its program depends on the
 // capacity alone and its results are capacity storages.
 int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry) {
-  if (!entry.elementwise) return 0;
+  if (!entry.elementwise || g_exact_shapes) return 0;
   bool any = false;  // most calls have no capacity storage: a cheap first pass
   for (const c10::IValue& v : call.args)
     if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == kTpu &&
@@ -1928,8 +1939,8 @@ void adopt_capacity(Call& call, int64_t capacity) {
 namespace {
 // Covers a capacity storage contiguously from its start: read padded.
 bool covers_capacity(const at::Tensor& t) {
-  if (t.device().type() != kTpu || t.dim() == 0 || !t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() ||
-      t.is_neg())
+  if (t.device().type() != kTpu || t.dim() == 0 || t.numel() == 0 || !t.is_contiguous() || t.storage_offset() != 0 ||
+      t.is_conj() || t.is_neg())
     return false;
   const StorageState& st = storage_state(t.storage());
   return st.capacity > 0 && static_cast<size_t>(t.nbytes()) == st.nbytes;
@@ -1950,9 +1961,15 @@ void for_each_tensor(const Call& call, Fn fn) {
     const c10::IValue& v = call.args[i];
     if (v.isTensor()) {
       fn(v.toTensor(), static_cast<int>(i), -1);
-    } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
-      size_t n = v.isTensorList() ? v.toTensorList().size() : v.toList().size();
-      for (size_t k = 0; k < n; ++k) fn(item_tensor(v, static_cast<int>(k)), static_cast<int>(i), static_cast<int>(k));
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t k = 0; k < list.size(); ++k) fn(list.get(k), static_cast<int>(i), static_cast<int>(k));
+    } else if (v.isList()) {  // Tensor?[] (index's indices)
+      auto list = v.toList();
+      for (size_t k = 0; k < list.size(); ++k) {
+        c10::IValue x = list.get(k);
+        if (x.isTensor()) fn(x.toTensor(), static_cast<int>(i), static_cast<int>(k));
+      }
     }
   }
 }
@@ -1988,6 +2005,7 @@ constexpr int64_t kMaxRuntimeArange = int64_t{1} << 20;
 
 RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry& entry) {
   RuntimeLength r;
+  if (g_exact_shapes) return {};
   if (entry.bake_scalars) {  // arange: its result grows with its end
     if (base_name(call.schema) != "arange") return {};
     r.length = arange_length(call);

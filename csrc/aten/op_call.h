@@ -247,6 +247,18 @@ RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry&
 // The length of a call planned as a runtime-length op (MetaResult::length_bound).
 int64_t runtime_length(const Call& call, const MetaResult& meta);
 void plan_runtime_length(const Call& call, CachedOp& cached, const RuntimeLength& length);
+// Ops run while one exists make exact-size results: no capacity storages (flat cats, capacity elementwise and
+// runtime-length ops run as plain ones). A collective needs a buffer of exactly a tensor's elements.
+class ExactShapes {
+ public:
+  ExactShapes();
+  ~ExactShapes();
+  ExactShapes(const ExactShapes&) = delete;
+  ExactShapes& operator=(const ExactShapes&) = delete;
+
+ private:
+  bool previous_;
+};
 void resize_padded_outputs(Call& call, const CachedOp& cached);  // written padded outputs take this call's length
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 

@@ -59,6 +59,16 @@ TWO_DEVICES = textwrap.dedent(
     w.copy_(a1 * 2)
     close(w.cpu(), x * 2)
 
+    # Factories that reach the device's kernels directly (arange, linspace, eye, scalar_tensor) honour their
+    # device argument, whatever the current device (they used to land on it).
+    for make in (lambda d: torch.arange(6, device=d), lambda d: torch.arange(2, 9, 3, device=d),
+                 lambda d: torch.linspace(0, 1, 5, device=d), lambda d: torch.eye(3, device=d),
+                 lambda d: torch.scalar_tensor(2.5, device=d), lambda d: torch.full((2, 3), 7, device=d)):
+        t = make("tpu:1")
+        assert t.device == torch.device("tpu:1"), (t.device, make("cpu"))
+        assert torch.equal(t.cpu(), make("cpu")), (t.cpu(), make("cpu"))
+        assert torch.equal((t + make("tpu:1")).cpu(), make("cpu") * 2)
+
     # An op mixing devices raises PyTorch's error.
     for bad in (lambda: a0 + a1, lambda: torch.mm(a0, a1.t()), lambda: a0.add_(a1)):
         try:

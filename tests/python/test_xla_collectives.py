@@ -125,6 +125,12 @@ COLLECTIVES = PRELUDE + textwrap.dedent(
     check(xc.all_reduce(to_devices(zs))[N - 1], reduce_ref(zs, "sum"), "0-d all_reduce")
     check(xc.broadcast(to_devices(zs), src=N - 1)[0], zs[N - 1], "0-d broadcast", exact=True)
 
+    # Tensors whose buffer is larger than they are (capacity storages: an arange, a mask grown by cats).
+    grown = [torch.cat([torch.arange(5, device=d) * (r + 1), torch.full((2,), r, device=d)]) for r, d in enumerate(DEV)]
+    want = [torch.cat([torch.arange(5) * (r + 1), torch.full((2,), r)]) for r in range(N)]
+    check(xc.all_reduce(grown)[0], reduce_ref(want, "sum"), "capacity storages")
+    check(xc.all_reduce([torch.arange(3, device=d) for d in DEV])[N - 1], torch.arange(3) * N, "arange")
+
     # max/min propagate NaN from any replica; broadcast keeps -0.0 bit-exact.
     xs = inputs((4,), torch.float32)
     xs[N - 1][2] = float("nan")
