@@ -337,6 +337,11 @@ def mask_chain(mask, per_length_op=True):
     outs = [all_ones, allowed, bias, bias.sum(-1), padding.any(-1), padding.all(-1), (mask + 1).prod(-1),
             padding[:, -2:].sum(-1), padding.sum(0), kv, torch.arange(2, n, 3, device=dev),
             torch.arange(n, 0, -2, device=dev, dtype=torch.int32)]
+    # Written results: in place with a broadcast operand (the whole capacity storage is rewritten), and out=.
+    grown = mask * 2
+    grown.add_(rows[:, None] * 1000)  # (a Scalar equal to a runtime length shares its operand: another graph)
+    summed = torch.add(kv, grown, alpha=3, out=torch.empty(0, dtype=torch.long, device=dev))
+    outs += [grown, summed, grown.float() * 0.5]
     if per_length_op:  # results holding the length in two dims: keyed, or planned (CachedOp::exact_length), per length
         outs += [kv[:, None] - kv[None, :], kv[None, :][kv[None, :] * 0]]
     return outs
