@@ -1945,11 +1945,12 @@ bool covers_capacity(const at::Tensor& t) {
   const StorageState& st = storage_state(t.storage());
   return st.capacity > 0 && static_cast<size_t>(t.nbytes()) == st.nbytes;
 }
-// A destination never written (`out=`, an empty made for the result): it takes the result's shape.
+// A destination never written (`out=`, an empty made for the result) and all of its storage: it takes the
+// result's shape, and its whole buffer is rewritten.
 bool fresh_destination(const at::Tensor& t) {
   const StorageState& st = storage_state(t.storage());
   return t.device().type() == kTpu && st.capacity == 0 && !storage_type(st) && t.storage_offset() == 0 &&
-         t.is_contiguous() && !t.is_conj() && !t.is_neg();
+         t.is_contiguous() && !t.is_conj() && !t.is_neg() && static_cast<size_t>(t.nbytes()) == st.nbytes;
 }
 bool is_written(const Call& call, int arg) {
   return std::find(call.written.begin(), call.written.end(), arg) != call.written.end();
