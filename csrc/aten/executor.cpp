@@ -1975,30 +1975,37 @@ void for_each_tensor(const Call& call, Fn fn) {
   }
 }
 
-// arange with integer Scalars into an integral dtype: its length (0 otherwise).
+// arange's length from integer Scalars (0 if they are not integers or give none).
 int64_t arange_length(const Call& call) {
   const auto& args = call.schema.arguments();
   int64_t start = 0, end = 0, step = 1;
   bool has_end = false;
   for (size_t i = 0; i < args.size(); ++i) {
-    const c10::IValue& v = call.args[i];
     const std::string& name = args[i].name();
-    if (name == "start" || name == "end" || name == "step") {
-      if (!v.isInt()) return 0;
-      (name == "start" ? start : name == "end" ? end : step) = v.toInt();
-      has_end = has_end || name == "end";
-    } else if (name == "dtype" && !v.isNone()) {
-      at::ScalarType dtype = v.toScalarType();
-      if (!at::isIntegralType(dtype, /*includeBool=*/false)) return 0;
-    } else if (name == "out") {
-      const at::Tensor& out = v.toTensor();
-      if (!at::isIntegralType(out.scalar_type(), false) || !fresh_destination(out)) return 0;
-    } else if (name == "device" && !v.isNone() && v.toDevice().type() != kTpu) {
-      return 0;
-    }
+    if (name != "start" && name != "end" && name != "step") continue;
+    if (!call.args[i].isInt()) return 0;
+    (name == "start" ? start : name == "end" ? end : step) = call.args[i].toInt();
+    has_end = has_end || name == "end";
   }
   if (!has_end || step == 0 || (end - start) / step < 0) return 0;
   return (end - start + step + (step > 0 ? -1 : 1)) / step;
+}
+// An arange whose result can be a capacity storage: integral, on tpu, into a new tensor or an empty `out=`.
+bool runtime_length_arange(const Call& call) {
+  const auto& args = call.schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = call.args[i];
+    const std::string& name = args[i].name();
+    if (name == "dtype" && !v.isNone()) {
+      if (!at::isIntegralType(v.toScalarType(), /*includeBool=*/false)) return false;
+    } else if (name == "out") {
+      const at::Tensor& out = v.toTensor();
+      if (!at::isIntegralType(out.scalar_type(), false) || !fresh_destination(out) || out.numel() != 0) return false;
+    } else if (name == "device" && !v.isNone() && v.toDevice().type() != kTpu) {
+      return false;
+    }
+  }
+  return true;
 }
 }  // namespace
 
@@ -2008,7 +2015,7 @@ RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry&
   RuntimeLength r;
   if (g_exact_shapes) return {};
   if (entry.bake_scalars) {  // arange: its result grows with its end
-    if (base_name(call.schema) != "arange") return {};
+    if (base_name(call.schema) != "arange" || !runtime_length_arange(call)) return {};
     r.length = arange_length(call);
     // Small ones only (a mask's positions): the buffer is up to twice the length.
     if (r.length < 2 || r.length > kMaxRuntimeArange) return {};
@@ -2128,12 +2135,19 @@ std::pair<std::vector<int64_t>, int64_t> padded_output_shape(const Call& call, c
 }
 }  // namespace
 
-// Written padded outputs take this call's sizes, and fresh ones become capacity storages.
+// Written padded outputs take this call's sizes, and fresh ones become capacity storages; other written outputs
+// (a fresh `out=` of a reduction over the length) take the planned sizes, as resize_outputs gives them.
 void resize_padded_outputs(Call& call, const CachedOp& cached) {
   for (size_t i = 0; i < cached.outputs.size(); ++i) {
     const OutputPlan& p = cached.outputs[i];
-    if (!p.write || !cached.meta.padded_outputs[i]) continue;
+    if (!p.write) continue;
     at::Tensor t = item_tensor(call.args[p.arg], p.item);
+    if (!cached.meta.padded_outputs[i]) {
+      if (t.sizes().equals(p.dims)) continue;
+      t.resize_(p.dims);
+      if (KeyedStorage* keyed = find_keyed(call, &storage_state(t.storage()))) keyed->extent = extent_bytes(storage_state(t.storage()));
+      continue;
+    }
     auto [sizes, elements] = padded_output_shape(call, cached, i);
     if (!t.sizes().equals(sizes)) t.resize_(sizes);
     StorageState& st = storage_state(t.storage());

@@ -341,9 +341,14 @@ def mask_chain(mask, per_length_op=True):
     grown = mask * 2
     grown.add_(rows[:, None] * 1000)  # (a Scalar equal to a runtime length shares its operand: another graph)
     summed = torch.add(kv, grown, alpha=3, out=torch.empty(0, dtype=torch.long, device=dev))
-    outs += [grown, summed, grown.float() * 0.5]
+    reduced = torch.sum(grown, -1, out=torch.empty(0, dtype=torch.long, device=dev))  # an out= without the length
+    stepped = torch.arange(3, n + 7, 4, out=torch.empty(0, dtype=torch.int32, device=dev))
+    outs += [grown, summed, grown.float() * 0.5, reduced, stepped, stepped * 2]
     if per_length_op:  # results holding the length in two dims: keyed, or planned (CachedOp::exact_length), per length
         outs += [kv[:, None] - kv[None, :], kv[None, :][kv[None, :] * 0]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # out= resized from a larger size: deprecated, still done
+            outs.append(torch.arange(n, out=torch.empty(100, dtype=torch.long, device=dev)))
     return outs
 
 
