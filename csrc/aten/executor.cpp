@@ -301,6 +301,9 @@ c10::IValue meta_value(const c10::IValue& v) {
   return map_tensors(v, meta_like);
 }
 
+bool is_written(const Call& call, int arg) {
+  return std::find(call.written.begin(), call.written.end(), arg) != call.written.end();
+}
 
 std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::vector<c10::IValue>& metas);
 // PyTorch's meta kernels leave out some checks its CPU kernels make: on
@@ -314,7 +317,7 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   for (size_t i = 0; i < call.args.size(); ++i) {
     const auto& v = call.args[i];
     if (v.isGenerator() && !v.isNone()) return false;
-    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+    bool written = is_written(call, static_cast<int>(i));
     map_tensors(v, [&](const at::Tensor& t) {
       if (!t.defined()) return t;
       any_empty = any_empty || t.numel() == 0;
@@ -325,7 +328,7 @@ bool meta_may_miss_an_error(const Call& call, int64_t* total) {
   }
   // out= (not in-place: self is not written) of a dtype no input has.
   if (call.returns_written && !call.schema.arguments().empty() && call.schema.arguments()[0].name() == "self" &&
-      std::find(call.written.begin(), call.written.end(), 0) == call.written.end()) {
+      !is_written(call, 0)) {
     for (size_t k = 0; k < call.written.size(); ++k)
       out_dtype_differs = out_dtype_differs || !input_dtypes.count(written_tensor(call, call.args, k).scalar_type());
   }
@@ -766,15 +769,17 @@ class CallContext final : public lowering::Context {
 // ---- building and running ---------------------------------------------------
 // out= tensors take the result's shape. A storage that grows is lowered at its
 // new extent: the key saw the old one, and the same key always grows it alike.
+at::Tensor resize_written(Call& call, const OutputPlan& p, c10::IntArrayRef sizes) {
+  at::Tensor t = item_tensor(call.args[p.arg], p.item);
+  if (t.sizes().equals(sizes)) return t;
+  t.resize_(sizes);
+  const StorageState* st = &storage_state(t.storage());
+  if (KeyedStorage* keyed = find_keyed(call, st)) keyed->extent = extent_bytes(*st);
+  return t;
+}
 void resize_outputs(Call& call, const std::vector<OutputPlan>& plans) {
-  for (const auto& p : plans) {
-    if (!p.write) continue;
-    at::Tensor t = item_tensor(call.args[p.arg], p.item);
-    if (t.sizes().equals(p.dims)) continue;
-    t.resize_(p.dims);
-    const StorageState* st = &storage_state(t.storage());
-    if (KeyedStorage* keyed = find_keyed(call, st)) keyed->extent = extent_bytes(*st);
-  }
+  for (const auto& p : plans)
+    if (p.write) resize_written(call, p, p.dims);
 }
 
 // ---- CPU checks the meta kernels miss ----------------------------------------
@@ -969,7 +974,7 @@ void probe_on_cpu_with(const Call& call, bool only_dtype_errors, int fill) {
       stack.push_back(c10::Device(at::kCPU));
       continue;
     }
-    bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+    bool written = is_written(call, static_cast<int>(i));
     bool index = call.schema.arguments()[i].name().find("ind") != std::string::npos;
     stack.push_back(map_tensors(v, [&](const at::Tensor& t) {
       if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) return t;
@@ -1889,7 +1894,7 @@ int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry&
       if (!shape) shape = &t;
       if (st.capacity == 0) {
         // A destination made for the result (`x.bool()`: empty, then copy_) becomes a capacity storage (adopt_capacity).
-        bool written = std::find(call.written.begin(), call.written.end(), static_cast<int>(i)) != call.written.end();
+        bool written = is_written(call, static_cast<int>(i));
         if (!written || storage_type(st)) return 0;
         continue;
       }
@@ -1951,9 +1956,6 @@ bool fresh_destination(const at::Tensor& t) {
   const StorageState& st = storage_state(t.storage());
   return t.device().type() == kTpu && st.capacity == 0 && !storage_type(st) && t.storage_offset() == 0 &&
          t.is_contiguous() && !t.is_conj() && !t.is_neg() && static_cast<size_t>(t.nbytes()) == st.nbytes;
-}
-bool is_written(const Call& call, int arg) {
-  return std::find(call.written.begin(), call.written.end(), arg) != call.written.end();
 }
 // Calls fn(tensor, arg, item) for each tensor argument and list item.
 template <typename Fn>
@@ -2141,17 +2143,15 @@ void resize_padded_outputs(Call& call, const CachedOp& cached) {
   for (size_t i = 0; i < cached.outputs.size(); ++i) {
     const OutputPlan& p = cached.outputs[i];
     if (!p.write) continue;
-    at::Tensor t = item_tensor(call.args[p.arg], p.item);
     if (!cached.meta.padded_outputs[i]) {
-      if (t.sizes().equals(p.dims)) continue;
-      t.resize_(p.dims);
-      if (KeyedStorage* keyed = find_keyed(call, &storage_state(t.storage()))) keyed->extent = extent_bytes(storage_state(t.storage()));
+      resize_written(call, p, p.dims);
       continue;
     }
     auto [sizes, elements] = padded_output_shape(call, cached, i);
-    if (!t.sizes().equals(sizes)) t.resize_(sizes);
+    at::Tensor t = resize_written(call, p, sizes);
     StorageState& st = storage_state(t.storage());
-    if (st.capacity == 0) st.capacity = static_cast<size_t>(elements) * t.element_size();
+    if (st.capacity > 0) continue;
+    st.capacity = static_cast<size_t>(elements) * t.element_size();
     if (KeyedStorage* keyed = find_keyed(call, &st)) keyed->extent = extent_bytes(st);
   }
 }

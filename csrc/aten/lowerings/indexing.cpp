@@ -13,9 +13,11 @@ namespace {
 
 Value as_index(Builder& b, const Value& i) { return b.convert(i, ElementType::S64); }
 
-std::string out_of_bounds(int64_t dim, int64_t size) {
-  return "index {} is out of bounds for dimension " + std::to_string(dim) + " with size " + std::to_string(size);
+// `size`: a number, or "{size}" for one known at runtime (RuntimeCheck::size).
+std::string out_of_bounds(int64_t dim, const std::string& size) {
+  return "index {} is out of bounds for dimension " + std::to_string(dim) + " with size " + size;
 }
+std::string out_of_bounds(int64_t dim, int64_t size) { return out_of_bounds(dim, std::to_string(size)); }
 // gather and the scatter family: indices in [0, size) along `dim`; the CPU
 // raises RuntimeError.
 void check_dim_index(Context& c, const Value& index, const Value& x, int64_t dim) {
@@ -247,7 +249,7 @@ IndexPlan plan_index(Context& c, const Value& x, const std::vector<std::optional
     int64_t d = indexed[k];
     // CPU's message numbers the indexed dims only (x[:, i] reports dimension 0).
     std::optional<Value> runtime_size = c.runtime_size("self", d);  // a mask growing per token
-    std::string message = runtime_size ? "index {} is out of bounds for dimension " + std::to_string(k) + " with size {size}"
+    std::string message = runtime_size ? out_of_bounds(static_cast<int64_t>(k), "{size}")
                                        : out_of_bounds(static_cast<int64_t>(k), x.dims()[d]);
     check_in_range(c, *indices[d], x.dims()[d], true, CheckError::Index, message, runtime_size);
     Value i = broadcast_to(b, wrap_negative(b, as_index(b, *indices[d]), x.dims()[d], runtime_size), p.batch);
