@@ -5,6 +5,7 @@
 #include "aten/exit_gate.h"
 #include "pjrt/error.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <c10/core/CPUAllocator.h>
@@ -412,7 +413,10 @@ void free_pinned(void* ptr) {
   std::free(ptr);
 }
 
-struct PinnedAllocator final : c10::Allocator {
+// Also torch.accelerator's host allocator for tpu (empty_host_cache, host
+// memory stats): it caches nothing, so there is no cache to empty and no
+// block to keep for an event.
+struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     void* ptr = nullptr;
@@ -427,8 +431,14 @@ struct PinnedAllocator final : c10::Allocator {
   }
   c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return {}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
 };
 PinnedAllocator g_pinned_allocator;
+REGISTER_HOST_ALLOCATOR(kTpu, &g_pinned_allocator)
 
 // ---- Hooks.
 struct TpuHooks final : at::PrivateUse1HooksInterface {

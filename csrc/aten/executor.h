@@ -19,6 +19,8 @@ const std::string& base_name(const c10::FunctionSchema& schema);  // "add" for a
 // Gives every lowered op an explicit PrivateUse1 kernel, so lowerings win over
 // PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
 void register_lowered_kernels();
+// torch.accelerator.Graph on tpu (graph_impl.cpp); after the backend's rename.
+void register_graph_impl();
 
 // Counts a CPU fallback of op `name` and warns once per op.
 void note_cpu_fallback(const std::string& name, const std::string& why);

@@ -79,6 +79,11 @@ struct PendingGraph {
   GraphValues inputs;              // record-time types of storages read before written
   std::string key;
   std::shared_ptr<GraphRun> run;   // events recorded inside this graph (null: none)
+  // torch.accelerator.Graph capture ("graph capture" below): the ops recorded
+  // are kept for replay and never run here; why the capture failed, if it did.
+  bool capturing = false;
+  std::string capture_failure;
+  Mode mode_before_capture = Mode::Fused;
 };
 
 std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
@@ -257,7 +262,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   ++metrics().fused_ops;
   graph::count_lowered_op(op_name(call.schema));
   push_returns(stack, nargs, *cached, outs);
-  if (mode() == Mode::Fused && t_size_cuts &&
+  if (mode() == Mode::Fused && t_size_cuts && !g.capturing &&
       (g.ops.size() >= graph_op_limit() || g.compile_cost >= graph_cost_limit()))
     run_graph(g);
   return true;
@@ -348,7 +353,7 @@ graph::Effort graph_effort(const PendingGraph& g, const lowering::Builder& b, co
 }
 
 std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
-                                             const std::map<int, int>& donated) {
+                                             const std::map<int, int>& donated, std::string* text = nullptr) {
   auto start = std::chrono::steady_clock::now();
   lowering::Builder b;
   GraphValues values;
@@ -363,6 +368,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
     compiled->checked_ops = std::move(checks.ops);
   }
   std::string program = b.finish(outputs, donated);
+  if (text) *text = program;
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   metrics().graph_lowering_seconds += took.count();
   try {
@@ -541,6 +547,15 @@ void release_donated(std::vector<pjrt::BufferPtr>& operands, const std::map<int,
 
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
+  if (g.capturing) {
+    std::string message = c10::str(
+        "tpu:", g.device, " is capturing a graph (torch.accelerator.Graph): the captured ops have not run, so an "
+        "operation that needs their values cannot be captured (reading a value with .item(), .cpu() or print, an op "
+        "that falls back to the CPU, a copy from host memory into a captured tensor, a resize, synchronize()). "
+        "Move it out of the capture");
+    if (g.capture_failure.empty()) g.capture_failure = message;
+    TORCH_CHECK(false, message);
+  }
   // Outputs: written storages that something besides this graph still holds
   // and that were not freed since (see resize_storage_after_graph).
   std::vector<int> live;
@@ -661,6 +676,15 @@ void flush_through(int device, const GraphRun& run) {
 void flush_pending() {
   check_not_forked();
   for (DeviceContext* ctx : started_device_contexts()) flush_pending(ctx->index);
+}
+
+void cut_pending() {
+  check_not_forked();
+  for (DeviceContext* ctx : started_device_contexts()) {
+    PendingGraph& g = pending_graph(ctx->index);
+    std::lock_guard<std::recursive_mutex> lock(g.mutex);
+    if (!g.capturing) run_graph(g);
+  }
 }
 
 namespace {
@@ -1014,5 +1038,227 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   }
   return outs;
 }
+
+}  // namespace torch_pjrt
+
+// ---- graph capture (torch.accelerator.Graph) ---------------------------------
+// CUDA graph semantics on a fused graph: between begin_capture and end_capture
+// the device's ops are recorded as usual but never run; end_capture compiles
+// them into one program, and each replay runs that program on the current
+// values of the storages the ops read, writing the storages they wrote that
+// are still referenced (a step's loss, gradients, parameters, optimizer
+// state). Python does not run again: sizes, Scalars and control flow are
+// those of the capture, and random ops draw a fresh state per replay.
+
+namespace torch_pjrt {
+
+struct CapturedGraph {
+  int device = -1;
+  PendingGraph recording;  // the captured ops; holds every storage they touch
+  std::vector<int> live;   // recording storages the program writes, in result order
+  std::map<int, int> donated;
+  std::vector<std::pair<ElementType, std::vector<int64_t>>> operand_types;
+  std::shared_ptr<CompiledGraph> compiled;   // donating the buffers `donated` names
+  std::shared_ptr<CompiledGraph> undonated;  // compiled when a donated buffer has another owner
+  std::string program_text;                  // kept when asked (debug_dump)
+  std::mutex mutex;
+};
+
+namespace {
+// Moves the recorded ops out of `from`, which is left empty (storages keep their pending flags).
+void move_recording(PendingGraph& from, PendingGraph& to) {
+  to.device = from.device;
+  to.ops = std::move(from.ops);
+  to.compile_cost = from.compile_cost;
+  to.operands = std::move(from.operands);
+  to.operand_storage = std::move(from.operand_storage);
+  to.operand_kind = std::move(from.operand_kind);
+  to.operand_rng_count = std::move(from.operand_rng_count);
+  to.operand_of_buffer = std::move(from.operand_of_buffer);
+  to.operand_of_metadata = std::move(from.operand_of_metadata);
+  to.storages = std::move(from.storages);
+  to.ids = std::move(from.ids);
+  to.written = std::move(from.written);
+  to.has_value = std::move(from.has_value);
+  to.extents = std::move(from.extents);
+  to.snapshot_refs = std::move(from.snapshot_refs);
+  to.inputs = std::move(from.inputs);
+  to.key = std::move(from.key);
+  to.run = std::move(from.run);
+  from.ops.clear();
+  from.compile_cost = 0;
+  from.operands.clear();
+  from.operand_storage.clear();
+  from.operand_kind.clear();
+  from.operand_rng_count.clear();
+  from.operand_of_buffer.clear();
+  from.operand_of_metadata.clear();
+  from.storages.clear();
+  from.ids.clear();
+  from.written.clear();
+  from.has_value.clear();
+  from.extents.clear();
+  from.snapshot_refs.clear();
+  from.inputs.inputs.clear();
+  from.key.clear();
+  from.run.reset();
+  from.device = -1;
+}
+
+// The captured ops never run: storages they wrote keep the value they had
+// before the capture, and those without one (made inside it) raise `why` when read.
+void settle_captured_storages(PendingGraph& r, const std::string& why) {
+  auto message = std::make_shared<const std::string>(why);
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  for (size_t id = 0; id < r.storages.size(); ++id) {
+    if (!r.written[id]) continue;
+    StorageState& st = storage_state(r.storages[id]);
+    st.pending = false;
+    if (!st.buffer && extent_bytes(st) > 0) st.lost = message;
+  }
+}
+
+[[noreturn]] void discard_capture(CapturedGraph& cap, const std::string& message) {
+  settle_captured_storages(cap.recording, "it was made inside a graph capture that failed: " + message);
+  finish_run(cap.recording, nullptr, message);
+  TORCH_CHECK(false, message);
+}
+}  // namespace
+
+bool capturing(int device) {
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  return g.capturing;
+}
+
+void begin_capture(int device) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  TORCH_CHECK(!g.capturing, "capture_begin(): tpu:", device, " is already capturing a graph");
+  run_graph(g);  // work recorded before the capture is not part of it
+  g.mode_before_capture = mode();
+  set_mode(Mode::Fused);  // strict and debug modes record too while capturing
+  g.capturing = true;
+  g.capture_failure.clear();
+}
+
+std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  TORCH_CHECK(g.capturing, "capture_end(): tpu:", device, " is not capturing a graph");
+  g.capturing = false;
+  set_mode(g.mode_before_capture);
+  auto cap = std::make_shared<CapturedGraph>();
+  cap->device = device;
+  std::string failure = std::move(g.capture_failure);
+  g.capture_failure.clear();
+  move_recording(g, cap->recording);
+  PendingGraph& r = cap->recording;
+  if (!failure.empty()) discard_capture(*cap, "the graph capture on tpu:" + std::to_string(device) + " failed: " + failure);
+  for (size_t k = 0; k < r.operands.size(); ++k) {
+    if (r.operand_kind[k] == OperandRef::Rng && r.operand_rng_count[k] < 0)
+      discard_capture(*cap, "a random op with an explicit generator cannot be captured in a graph: each replay "
+                            "would repeat its numbers (use the default generator)");
+    if (r.operand_kind[k] == OperandRef::Host)
+      discard_capture(*cap, "an op of the captured graph reads a CPU tensor, whose later values a replay cannot "
+                            "see: move it to tpu before the capture");
+    if (!r.operands[k])
+      discard_capture(*cap, "the captured graph reads a tpu tensor that was never written");
+    cap->operand_types.emplace_back(r.operands[k]->element_type(), r.operands[k]->dims());
+  }
+  for (size_t id = 0; id < r.storages.size(); ++id)
+    if (r.written[id] && r.storages[id].use_count() > 1 + r.snapshot_refs[id] &&
+        extent_bytes(storage_state(r.storages[id])) > 0)
+      cap->live.push_back(static_cast<int>(id));
+  cap->donated = donations(r, cap->live);
+  try {
+    if (!r.ops.empty()) cap->compiled = compile_graph(r, cap->live, cap->donated, keep_text ? &cap->program_text : nullptr);
+  } catch (const OpFailure& e) {
+    discard_capture(*cap, c10::str("a captured graph of ", r.ops.size(), " ops failed to compile at op ", e.op, ", ",
+                                   describe(r.ops[e.op]), ", recorded at ",
+                                   graph::describe_source_location(r.ops[e.op].location), ": ", e.what()));
+  } catch (const std::exception& e) {
+    discard_capture(*cap, c10::str("a captured graph of ", r.ops.size(), " ops failed to compile: ", e.what()));
+  }
+  settle_captured_storages(r, "it was made inside a graph capture and has no value before the graph's first replay()");
+  // Replays read the storages' current buffers: drop the capture-time ones.
+  for (size_t k = 0; k < r.operands.size(); ++k)
+    if (r.operand_storage[k] >= 0) r.operands[k].reset();
+  finish_run(r, nullptr, "");
+  return cap;
+}
+
+void replay_captured(CapturedGraph& cap) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(cap.device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  TORCH_CHECK(!g.capturing, "replay(): tpu:", cap.device, " is capturing a graph; replay graphs after capture_end()");
+  if (!cap.compiled) return;  // nothing was captured
+  run_graph(g);  // work before the replay (new inputs copied into captured tensors) runs first
+  std::lock_guard<std::mutex> replay_lock(cap.mutex);
+  PendingGraph& r = cap.recording;
+  std::vector<pjrt::BufferPtr> operands(r.operands.size());
+  bool donate = !cap.donated.empty();
+  {
+    std::lock_guard<std::mutex> storages(storage_mutex());
+    for (size_t k = 0; k < operands.size(); ++k) {
+      int id = r.operand_storage[k];
+      if (id < 0) {
+        operands[k] = r.operands[k];  // a Scalar or metadata (null for a random state: drawn below)
+        continue;
+      }
+      const StorageState& st = storage_state(r.storages[id]);
+      TORCH_CHECK(!st.lost, "replay(): a tensor the captured graph reads has no value: ", *st.lost);
+      TORCH_CHECK(st.buffer, "replay(): a tensor the captured graph reads has no value (it was freed or never written)");
+      TORCH_CHECK(st.buffer->element_type() == cap.operand_types[k].first && st.buffer->dims() == cap.operand_types[k].second,
+                  "replay(): a tensor the captured graph reads changed its size or dtype since the capture (",
+                  c10::str(cap.operand_types[k].second), " elements captured, ", c10::str(st.buffer->dims()),
+                  " now); capture the graph again");
+      operands[k] = st.buffer;
+    }
+    // A donated buffer must have no owner besides its storage and this list (a
+    // tensor sharing it would see it consumed): otherwise run the copy that donates nothing.
+    std::vector<const pjrt::Buffer*> in_list;
+    in_list.reserve(operands.size());
+    for (const auto& b : operands) in_list.push_back(b.get());
+    std::sort(in_list.begin(), in_list.end());
+    for (auto [operand, output] : cap.donated) {
+      const pjrt::BufferPtr& b = operands[operand];
+      auto [first, last] = std::equal_range(in_list.begin(), in_list.end(), b.get());
+      if (b.use_count() != (last - first) + 1) donate = false;
+    }
+  }
+  std::shared_ptr<CompiledGraph> compiled = cap.compiled;
+  if (!donate && !cap.donated.empty()) {
+    if (!cap.undonated) cap.undonated = compile_graph(r, cap.live, {});
+    compiled = cap.undonated;
+  }
+  for (size_t k = 0; k < operands.size(); ++k) {
+    if (r.operand_kind[k] != OperandRef::Rng) continue;
+    RngDraw draw = next_rng_draw(std::nullopt, cap.device, static_cast<uint64_t>(r.operand_rng_count[k]));
+    uint64_t state[2] = {draw.seed, draw.offset};
+    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, cap.device);
+  }
+  std::vector<pjrt::Buffer*> raw;
+  raw.reserve(operands.size());
+  for (const auto& b : operands) raw.push_back(b.get());
+  pjrt::ExecutablePtr exe = compiled->program->executable();
+  auto result = exe->execute(raw);
+  for (size_t k = 0; k < cap.live.size(); ++k) install_buffer(storage_state(r.storages[cap.live[k]]), result.outputs[k]);
+  if (donate) release_donated(operands, cap.donated);
+  if (compiled->checks) {
+    std::vector<graph::SourceLocation> locations;
+    for (size_t k : compiled->checked_ops) locations.push_back(r.ops[k].location);
+    defer_checks(cap.device, result.outputs[cap.live.size()], compiled->checks, std::move(locations));
+  }
+  ++metrics().executions;
+  ++metrics().graphs;
+  ++metrics().graph_replays;
+  track(cap.device, std::move(result.done), std::move(exe));
+}
+
+const std::string& captured_program_text(const CapturedGraph& cap) { return cap.program_text; }
 
 }  // namespace torch_pjrt

@@ -34,4 +34,19 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
 // Why the latest run_and_capture() made no plan ("" if it made one).
 std::string replay_refusal();
 
+// flush_pending() for the cut points (sync(), an optimizer step, the end of a
+// module's inference call): skips a device that is capturing a graph.
+void cut_pending();
+
+// Graph capture, torch.accelerator.Graph's semantics (fused_graph.cpp, "graph
+// capture"): the device's ops between begin and end are recorded, compiled
+// into one program and not run; replay_captured runs that program on the
+// current values of what the ops read and writes what they wrote.
+struct CapturedGraph;
+bool capturing(int device);
+void begin_capture(int device);
+std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text);
+void replay_captured(CapturedGraph& graph);
+const std::string& captured_program_text(const CapturedGraph& graph);
+
 }  // namespace torch_pjrt

@@ -9,6 +9,7 @@
 
 #include "aten/collectives.h"
 #include "aten/device.h"
+#include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
@@ -85,7 +86,16 @@ PYBIND11_MODULE(_C, m) {
     }
     return "strict";
   });
-  m.def("_sync", [] { flush_pending(); }, release_gil());
+  m.def("_sync", [] { cut_pending(); }, release_gil());
+  m.def("_register_graph_impl", &register_graph_impl);
+  // Whether `device` (-1: any device) is capturing a graph (torch.accelerator.Graph).
+  m.def("_capturing", [](int device) {
+    if (!runtime_started()) return false;
+    if (device >= 0) return capturing(device);
+    for (DeviceContext* ctx : started_device_contexts())
+      if (capturing(ctx->index)) return true;
+    return false;
+  }, py::arg("device") = -1);
   m.def("_set_size_cuts", &set_size_cuts);
   py::class_<ReplayHandle>(m, "_ReplayPlan");
   m.def("_run_and_capture", [](const std::vector<at::Tensor>& inputs,
@@ -171,6 +181,7 @@ PYBIND11_MODULE(_C, m) {
     d["graphs"] = s.graphs.get();
     d["graph_cache_hits"] = s.graph_cache_hits.get();
     d["compiled_replays"] = s.compiled_replays.get();
+    d["graph_replays"] = s.graph_replays.get();
     d["donated_buffers"] = s.donated_buffers.get();
     d["donated_bytes"] = s.donated_bytes.get();
     d["check_status_reads"] = s.check_status_reads.get();

@@ -60,6 +60,7 @@ struct Metrics {
   Count graphs;            // fused graphs run
   Count graph_cache_hits;  // graphs found by structure, nothing lowered
   Count compiled_replays;  // torch.compile graphs run by replaying their program (no op dispatched)
+  Count graph_replays;     // captured graphs (torch.accelerator.Graph) replayed
   Count donated_buffers;   // graph inputs whose buffer an in-place result reused
   Count donated_bytes;
   Count check_status_reads;  // runtime-check statuses read at host waits (one per checked program)

@@ -24,7 +24,7 @@ import os
 import threading
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _C
 from ._plugins import find_plugin, platform_of, prepare_environment
@@ -48,6 +48,7 @@ def _register() -> None:
     torch._register_device_module("tpu", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _C._register_lowered_kernels()
+    _C._register_graph_impl()
     _decompositions.register()
     _data_dependent.register()
     # Errors from fused graphs name the user's line: frames in these are skipped.
@@ -133,6 +134,20 @@ def _end_of_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_end_of_step)
+
+
+def _capture_check(optimizer, args, kwargs) -> None:
+    # A captured step replays without Python: an optimizer whose step count
+    # and bias corrections are host numbers (capturable=False) would replay
+    # the capture's numbers forever. PyTorch makes this check for CUDA and XPU only.
+    if torch.compiler.is_compiling() or not _C._capturing():
+        return
+    if not all(group.get("capturable", True) for group in optimizer.param_groups):
+        raise RuntimeError(f"Attempting tpu graph capture of step() for an instance of {type(optimizer).__name__} "
+                           "but param_groups' capturable is False: construct it with capturable=True")
+
+
+register_optimizer_step_pre_hook(_capture_check)
 
 # Inference has no optimizer step: fused mode also cuts the graph when an
 # outermost module call returns with autograd off, so an evaluation loop is

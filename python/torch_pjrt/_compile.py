@@ -123,7 +123,10 @@ class _CompiledGraph:
         return self._run(args)
 
     def _run(self, args):
-        # Debug mode waits and checks at every op: no replay there.
+        # Debug mode waits and checks at every op: no replay there. A graph
+        # capture (torch.accelerator.Graph) records the ops: its replay is the step's one program.
+        if _C._capturing():
+            return self.gm.forward(*args)
         split = _C._split_replay_args(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
         replayable = split is not None and len(self.plans) < _MAX_SIZES_REPLAYED
         if split is not None and split[1] in self.plans:
