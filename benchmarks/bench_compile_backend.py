@@ -148,6 +148,37 @@ def compiled_stepper(setup):
     return step, after["executions"] - before["executions"], after["compiled_replays"] - before["compiled_replays"]
 
 
+def captured_stepper(setup):
+    """The compiled training step captured once in a torch.accelerator.Graph: each call is a
+    replay (one XLA program, no Python, dispatch or recording) and the loss read back."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x, y = setup("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    loss_of = torch.compile(lambda x, y: F.cross_entropy(model(x).flatten(0, -2), y.flatten()), backend="tpu")
+    opt_step = torch.compile(opt.step, backend="tpu")
+
+    def eager_step():
+        opt.zero_grad()
+        loss = loss_of(x, y)
+        loss.backward()
+        opt_step()
+        return loss
+
+    with torch_pjrt.mode("fused"):
+        for _ in range(3):  # compile the pieces, as before a CUDA graph capture
+            eager_step().item()
+        graph = torch.accelerator.Graph()
+        with graph:
+            loss = eager_step()
+
+    def step():
+        graph.replay()
+        return loss.item()
+
+    return step
+
+
 def round_robin(steppers, steps):
     """Median seconds per call of each stepper, called one after another `steps` times, so that
     load from other processes hits every column alike."""
@@ -167,6 +198,7 @@ def interleaved_step_times(setup, steps):
     for mode in ("strict", "fused"):
         steppers["tpu " + mode] = eager_stepper(setup, "tpu", mode)
     steppers["tpu compiled"], programs, replays = compiled_stepper(setup)
+    steppers["tpu captured"] = captured_stepper(setup)
     try:
         import jax  # noqa: F401
         import jax_gpt
@@ -252,6 +284,15 @@ def host_overhead():
     print(f"compiled step host overhead (tiny GPT, math takes microseconds): {compiled * 1e3:.2f} ms per step, "
           f"calling thread's CPU time {compiled_thread * 1e3:.2f} ms (goal < 1 ms; on the CPU plugin it includes "
           f"any program the thread runs inline), {programs} programs ({replays} replayed){jax_text}")
+    captured = captured_stepper(tiny_gpt_setup)
+    times, thread = [], []
+    for _ in range(200):
+        thread_start, start = time.thread_time(), time.perf_counter()
+        captured()
+        times.append(time.perf_counter() - start)
+        thread.append(time.thread_time() - thread_start)
+    print(f"the same step captured in a torch.accelerator.Graph (one program per replay): {median(times) * 1e3:.2f} ms "
+          f"per step, calling thread's CPU time {median(thread) * 1e3:.2f} ms (goal < 1 ms)")
 
 
 def main():
@@ -270,6 +311,9 @@ def main():
                   f"compiled / jax on plugin = {compiled / times['jax on plugin']:.2f} (the same jax program "
                   "compiled and run by torch_pjrt's plugin); compiled vs fused: "
                   f"{times['tpu fused'] / compiled:.2f}x faster (goal >= 1.3)")
+            print(f"captured (the compiled step in a torch.accelerator.Graph, one program per step) / jax.jit = "
+                  f"{times['tpu captured'] / times['jax.jit']:.2f}, captured / jax on plugin = "
+                  f"{times['tpu captured'] / times['jax on plugin']:.2f}")
         else:
             print("jax.jit: jax is not installed (pip install jax) - no baseline")
     host_overhead()
