@@ -545,6 +545,32 @@ void release_donated(std::vector<pjrt::BufferPtr>& operands, const std::map<int,
   release_spent(std::move(spent));
 }
 
+// Whether each donated operand's buffer has no owner besides its storage and
+// `operands` (a tensor sharing it would see it consumed). Under storage_mutex().
+bool donations_unshared(const std::vector<pjrt::BufferPtr>& operands, const std::map<int, int>& donated) {
+  std::vector<const pjrt::Buffer*> in_list;  // sorted: counted by binary search (no map per call)
+  in_list.reserve(operands.size());
+  for (const auto& b : operands) in_list.push_back(b.get());
+  std::sort(in_list.begin(), in_list.end());
+  for (auto [operand, output] : donated) {
+    const pjrt::BufferPtr& b = operands[operand];
+    auto [first, last] = std::equal_range(in_list.begin(), in_list.end(), b.get());
+    if (b.use_count() != (last - first) + 1) return false;
+  }
+  return true;
+}
+
+// A replayed program's random states: a fresh draw from the default generator
+// per operand that has a count (in operand order, as running the ops would).
+void draw_rng_states(std::vector<pjrt::BufferPtr>& operands, const std::vector<int64_t>& counts, int device) {
+  for (size_t k = 0; k < counts.size(); ++k) {
+    if (counts[k] < 0) continue;
+    RngDraw draw = next_rng_draw(std::nullopt, device, static_cast<uint64_t>(counts[k]));
+    uint64_t state[2] = {draw.seed, draw.offset};
+    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, device);
+  }
+}
+
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   if (g.capturing) {
@@ -974,26 +1000,10 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
         return std::nullopt;
       operands.push_back(st.buffer);
     }
-    // A donated input must have no owner besides its storage and this list.
-    if (!plan.donated.empty()) {
-      std::vector<const pjrt::Buffer*> in_list;  // sorted: counted by binary search (no map per call)
-      in_list.reserve(operands.size());
-      for (const auto& b : operands) in_list.push_back(b.get());
-      std::sort(in_list.begin(), in_list.end());
-      for (auto [operand, output] : plan.donated) {
-        const pjrt::BufferPtr& b = operands[operand];
-        auto [first, last] = std::equal_range(in_list.begin(), in_list.end(), b.get());
-        if (b.use_count() != (last - first) + 1) return std::nullopt;
-      }
-    }
+    if (!plan.donated.empty() && !donations_unshared(operands, plan.donated)) return std::nullopt;
   }
   // Random states last: a refused replay must not advance the generator.
-  for (size_t k = 0; k < plan.operand_rng.size(); ++k) {
-    if (plan.operand_rng[k] < 0) continue;
-    RngDraw draw = next_rng_draw(std::nullopt, device, static_cast<uint64_t>(plan.operand_rng[k]));
-    uint64_t state[2] = {draw.seed, draw.offset};
-    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, device);
-  }
+  draw_rng_states(operands, plan.operand_rng, device);
   std::vector<pjrt::Buffer*> raw;
   raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());
@@ -1218,29 +1228,15 @@ void replay_captured(CapturedGraph& cap) {
                   " now); capture the graph again");
       operands[k] = st.buffer;
     }
-    // A donated buffer must have no owner besides its storage and this list (a
-    // tensor sharing it would see it consumed): otherwise run the copy that donates nothing.
-    std::vector<const pjrt::Buffer*> in_list;
-    in_list.reserve(operands.size());
-    for (const auto& b : operands) in_list.push_back(b.get());
-    std::sort(in_list.begin(), in_list.end());
-    for (auto [operand, output] : cap.donated) {
-      const pjrt::BufferPtr& b = operands[operand];
-      auto [first, last] = std::equal_range(in_list.begin(), in_list.end(), b.get());
-      if (b.use_count() != (last - first) + 1) donate = false;
-    }
+    // Otherwise run the copy of the program that donates nothing.
+    donate = donate && donations_unshared(operands, cap.donated);
   }
   std::shared_ptr<CompiledGraph> compiled = cap.compiled;
   if (!donate && !cap.donated.empty()) {
     if (!cap.undonated) cap.undonated = compile_graph(r, cap.live, {});
     compiled = cap.undonated;
   }
-  for (size_t k = 0; k < operands.size(); ++k) {
-    if (r.operand_kind[k] != OperandRef::Rng) continue;
-    RngDraw draw = next_rng_draw(std::nullopt, cap.device, static_cast<uint64_t>(r.operand_rng_count[k]));
-    uint64_t state[2] = {draw.seed, draw.offset};
-    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, cap.device);
-  }
+  draw_rng_states(operands, r.operand_rng_count, cap.device);
   std::vector<pjrt::Buffer*> raw;
   raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());
