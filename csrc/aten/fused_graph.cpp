@@ -571,17 +571,23 @@ void draw_rng_states(std::vector<pjrt::BufferPtr>& operands, const std::vector<i
   }
 }
 
+// While a device captures, nothing may move values between the host and its
+// tensors: the captured ops have not run, and a value read (or written) now
+// would be baked into every replay. Raising also discards the capture.
+void check_not_capturing(PendingGraph& g, int device) {
+  if (!g.capturing) return;
+  std::string message = c10::str(
+      "tpu:", device, " is capturing a graph (torch.accelerator.Graph): the captured ops do not run until replay(), "
+      "and a value moved between the host and the device now would be fixed in every replay, so this cannot be "
+      "captured (reading a value with .item(), .cpu() or print, an op that falls back to the CPU, a copy from host "
+      "memory, a resize, synchronize(), a collective). Move it out of the capture");
+  if (g.capture_failure.empty()) g.capture_failure = message;
+  TORCH_CHECK(false, message);
+}
+
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
-  if (g.capturing) {
-    std::string message = c10::str(
-        "tpu:", g.device, " is capturing a graph (torch.accelerator.Graph): the captured ops have not run, so an "
-        "operation that needs their values cannot be captured (reading a value with .item(), .cpu() or print, an op "
-        "that falls back to the CPU, a copy from host memory into a captured tensor, a resize, synchronize()). "
-        "Move it out of the capture");
-    if (g.capture_failure.empty()) g.capture_failure = message;
-    TORCH_CHECK(false, message);
-  }
+  check_not_capturing(g, g.device);
   // Outputs: written storages that something besides this graph still holds
   // and that were not freed since (see resize_storage_after_graph).
   std::vector<int> live;
@@ -723,6 +729,7 @@ bool is_pending(const StorageState& st) {
 pjrt::BufferPtr readable_buffer(const StorageState& st) {
   PendingGraph& g = pending_graph(st.device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  check_not_capturing(g, st.device);  // even a value written before the capture
   if (is_pending(st)) run_graph(g);
   return buffer_of(st);
 }
@@ -730,6 +737,7 @@ pjrt::BufferPtr readable_buffer(const StorageState& st) {
 void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
   PendingGraph& g = pending_graph(st.device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  check_not_capturing(g, st.device);
   if (is_pending(st)) run_graph(g);
   install_buffer(st, std::move(buffer));
 }

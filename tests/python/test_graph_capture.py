@@ -207,3 +207,64 @@ def test_host_allocator_calls():
     torch.accelerator.empty_host_cache()  # no cache to empty; must not crash
     pinned = torch.randn(4).pin_memory()
     torch.testing.assert_close(pinned.to("tpu").cpu(), pinned)
+
+
+def test_reading_a_value_written_before_the_capture_raises():
+    # Not pending, so readable without running anything, but the value would
+    # be fixed in every replay: a read is refused as on CUDA.
+    pos = torch.tensor([5], device="tpu")
+    with pytest.raises(RuntimeError, match="fixed in every replay"):
+        with torch.accelerator.Graph():
+            int(pos.item())
+    with pytest.raises(RuntimeError, match="capturing a graph"):
+        with torch.accelerator.Graph():
+            torch.tensor([1.0, 2.0]).to("tpu")  # a host copy: a replay would not copy again
+    torch.testing.assert_close(pos.cpu(), torch.tensor([5]))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_captured_static_cache_decode_step_matches_cpu(kind, compiled):
+    # CUDA graphs' use in generation: one decode step with transformers'
+    # StaticCache captured, then replayed per token with the new token and
+    # position copied into the captured inputs.
+    pytest.importorskip("transformers")
+    import copy
+
+    from conftest import tiny_model
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = tiny_model(kind)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    new_tokens = 6
+
+    def decode(m, device, capture):
+        cache = StaticCache(config=m.config, max_cache_len=16)
+        step = torch.compile(m, backend="tpu") if capture and compiled else m
+        logits = []
+        with torch.no_grad():
+            out = m(ids.to(device), past_key_values=cache, cache_position=torch.arange(5, device=device), use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            pos = torch.tensor([5], device=device)
+            if capture:
+                graph = torch.accelerator.Graph()
+                with graph:
+                    captured = step(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1]
+            for _ in range(new_tokens):
+                if capture:
+                    graph.replay()
+                    last = captured
+                else:
+                    last = m(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1]
+                logits.append(last.cpu())
+                tok.copy_(last.argmax(-1, keepdim=True))
+                pos.add_(1)
+        return torch.stack(logits)
+
+    expected = decode(copy.deepcopy(model), "cpu", False)
+    start = torch_pjrt.metrics()["graph_replays"]
+    got = decode(model.to("tpu"), "tpu", True)
+    assert torch_pjrt.metrics()["graph_replays"] - start == new_tokens
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
