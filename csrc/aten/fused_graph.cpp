@@ -81,9 +81,10 @@ struct PendingGraph {
   std::shared_ptr<GraphRun> run;   // events recorded inside this graph (null: none)
   // torch.accelerator.Graph capture ("graph capture" below): the ops recorded
   // are kept for replay and never run here; why the capture failed, if it did.
-  bool capturing = false;
+  std::atomic<bool> capturing{false};  // read without the lock (a Python query per compiled call)
   std::string capture_failure;
   Mode mode_before_capture = Mode::Fused;
+  RngDraw rng_at_capture{0, 0};  // the default generator's state when the capture began
 };
 
 std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
@@ -220,7 +221,11 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
         g.operand_storage.push_back(-1);
         // A 0-d CPU tensor is a number in the op (a wrapped `x / 2.0`):
         // constant for replay, as a Scalar is.
-        bool number = ref.kind == OperandRef::Host && item_tensor(call.args[ref.arg], ref.item).dim() == 0;
+        // While capturing, only a Python number is: a 0-d CPU tensor (a
+        // learning rate a scheduler changes) must not be fixed in replays.
+        const at::Tensor& host = ref.kind == OperandRef::Host ? item_tensor(call.args[ref.arg], ref.item) : at::Tensor();
+        bool number = host.defined() && host.dim() == 0 &&
+                      (!g.capturing || host.unsafeGetTensorImpl()->is_wrapped_number());
         g.operand_kind.push_back(number ? OperandRef::Scalar : ref.kind);
         bool default_rng = ref.kind == OperandRef::Rng &&
                            !(ref.arg >= 0 && call.args[ref.arg].isGenerator() && call.args[ref.arg].toGenerator().defined());
@@ -1079,6 +1084,12 @@ struct CapturedGraph {
   std::shared_ptr<CompiledGraph> compiled;   // donating the buffers `donated` names
   std::shared_ptr<CompiledGraph> undonated;  // compiled when a donated buffer has another owner
   std::string program_text;                  // kept when asked (debug_dump)
+  // Per operand: a random op's generator offset relative to the capture's
+  // start (-1: not random). A replay reserves `rng_span` numbers and gives
+  // each op its base + relative offset, so states equal at capture (a
+  // checkpoint's recomputation restores the state) stay equal in replays.
+  std::vector<int64_t> rng_relative;
+  uint64_t rng_span = 0;
   std::mutex mutex;
 };
 
@@ -1143,11 +1154,7 @@ void settle_captured_storages(PendingGraph& r, const std::string& why) {
 }
 }  // namespace
 
-bool capturing(int device) {
-  PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  return g.capturing;
-}
+bool capturing(int device) { return pending_graph(device).capturing.load(); }
 
 void begin_capture(int device) {
   check_not_forked();
@@ -1156,6 +1163,7 @@ void begin_capture(int device) {
   TORCH_CHECK(!g.capturing, "capture_begin(): tpu:", device, " is already capturing a graph");
   run_graph(g);  // work recorded before the capture is not part of it
   g.mode_before_capture = mode();
+  g.rng_at_capture = next_rng_draw(std::nullopt, device, 0);  // a look, nothing drawn
   set_mode(Mode::Fused);  // strict and debug modes record too while capturing
   g.capturing = true;
   g.capture_failure.clear();
@@ -1185,6 +1193,21 @@ std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
     if (!r.operands[k])
       discard_capture(*cap, "the captured graph reads a tpu tensor that was never written");
     cap->operand_types.emplace_back(r.operands[k]->element_type(), r.operands[k]->dims());
+  }
+  cap->rng_relative.assign(r.operands.size(), -1);
+  const RngDraw start = g.rng_at_capture;
+  uint64_t end_offset = next_rng_draw(std::nullopt, device, 0).offset;
+  cap->rng_span = end_offset > start.offset ? end_offset - start.offset : 0;
+  for (size_t k = 0; k < r.operands.size(); ++k) {
+    if (r.operand_kind[k] != OperandRef::Rng) continue;
+    uint64_t state[2];
+    r.operands[k]->to_host(state);  // the (seed, offset) the op drew while recorded
+    if (state[0] != start.seed || state[1] < start.offset)
+      discard_capture(*cap, "the default generator was reseeded (manual_seed) or set to a state before the "
+                            "capture's start (set_rng_state) inside the capture: a replay cannot repeat that");
+    cap->rng_relative[k] = static_cast<int64_t>(state[1] - start.offset);
+    uint64_t count = static_cast<uint64_t>(r.operand_rng_count[k]);
+    cap->rng_span = std::max(cap->rng_span, state[1] - start.offset + (count + 3) / 4 * 4);
   }
   for (size_t id = 0; id < r.storages.size(); ++id)
     if (r.written[id] && r.storages[id].use_count() > 1 + r.snapshot_refs[id] &&
@@ -1244,7 +1267,14 @@ void replay_captured(CapturedGraph& cap) {
     if (!cap.undonated) cap.undonated = compile_graph(r, cap.live, {});
     compiled = cap.undonated;
   }
-  draw_rng_states(operands, r.operand_rng_count, cap.device);
+  if (cap.rng_span > 0) {
+    RngDraw base = next_rng_draw(std::nullopt, cap.device, cap.rng_span);
+    for (size_t k = 0; k < operands.size(); ++k) {
+      if (cap.rng_relative[k] < 0) continue;
+      uint64_t state[2] = {base.seed, base.offset + static_cast<uint64_t>(cap.rng_relative[k])};
+      operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, cap.device);
+    }
+  }
   std::vector<pjrt::Buffer*> raw;
   raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());
@@ -1264,5 +1294,11 @@ void replay_captured(CapturedGraph& cap) {
 }
 
 const std::string& captured_program_text(const CapturedGraph& cap) { return cap.program_text; }
+
+void fail_capture(int device, const std::string& why) {
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  if (g.capturing && g.capture_failure.empty()) g.capture_failure = why;
+}
 
 }  // namespace torch_pjrt

@@ -48,5 +48,7 @@ void begin_capture(int device);
 std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text);
 void replay_captured(CapturedGraph& graph);
 const std::string& captured_program_text(const CapturedGraph& graph);
+// Marks the device's capture failed (a Python-side check): end_capture discards it and raises `why`.
+void fail_capture(int device, const std::string& why);
 
 }  // namespace torch_pjrt

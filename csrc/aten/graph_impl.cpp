@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "aten/device.h"
+#include "aten/executor.h"
 #include "aten/fused_graph.h"
 
 namespace torch_pjrt {
@@ -17,6 +18,13 @@ namespace {
 
 struct TpuGraph final : at::GraphImplInterface {
   explicit TpuGraph(const at::GraphImplArgs&) : pool_id_(next_pool_id()) {}
+  ~TpuGraph() override {
+    if (device_ < 0) return;
+    try {  // destroyed mid-capture: end it, so the device records and runs again
+      end_capture(device_, false);
+    } catch (...) {
+    }
+  }
 
   // `pool` and `mode` are accepted and unused: a replay's results get fresh
   // buffers whatever the pool, and every thread's ops on the device are captured.
@@ -33,6 +41,8 @@ struct TpuGraph final : at::GraphImplInterface {
     int device = device_;
     device_ = -1;
     graph_ = end_capture(device, debug_);
+    // A strict or debug user's ops on other devices were recorded meanwhile: run them now.
+    if (mode() == Mode::Strict || mode() == Mode::Debug) flush_pending();
   }
 
   void instantiate() override {
@@ -57,6 +67,8 @@ struct TpuGraph final : at::GraphImplInterface {
   void debug_dump(const std::string& path) override {
     TORCH_CHECK(debug_, "debug_dump(): call enable_debug_mode() before the capture");
     TORCH_CHECK(graph_, "debug_dump(): nothing was captured");
+    TORCH_CHECK(!captured_program_text(*graph_).empty(),
+                "debug_dump(): the capture kept no program text (call enable_debug_mode() before capturing)");
     std::ofstream out(path);
     TORCH_CHECK(out, "debug_dump(): cannot write ", path);
     out << captured_program_text(*graph_);

@@ -74,6 +74,11 @@ PYBIND11_MODULE(_C, m) {
         {"debug", Mode::Debug}, {"strict", Mode::Strict}, {"fused", Mode::Fused}, {"lazy", Mode::Lazy}};
     auto it = modes.find(name);
     TORCH_CHECK(it != modes.end(), "unknown torch_pjrt mode '", name, "': expected debug, strict, fused or lazy");
+    if (it->second != mode() && runtime_started())
+      for (DeviceContext* ctx : started_device_contexts())
+        TORCH_CHECK(!capturing(ctx->index), "cannot switch to ", name, " mode while tpu:", ctx->index,
+                    " is capturing a graph (torch.accelerator.Graph): a capture records in fused mode; set the mode "
+                    "before the capture");
     flush_pending();  // a recorded graph runs under the mode that recorded it
     set_mode(it->second);
   }, release_gil());
@@ -88,9 +93,10 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_sync", [] { cut_pending(); }, release_gil());
   m.def("_register_graph_impl", &register_graph_impl);
+  m.def("_fail_capture", &fail_capture, release_gil());
   // Whether `device` (-1: any device) is capturing a graph (torch.accelerator.Graph).
   m.def("_capturing", [](int device) {
-    if (!runtime_started()) return false;
+    if (!runtime_started() || in_bad_fork()) return false;
     if (device >= 0) return capturing(device);
     for (DeviceContext* ctx : started_device_contexts())
       if (capturing(ctx->index)) return true;

@@ -136,18 +136,36 @@ def _end_of_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_end_of_step)
 
 
+def _host_step_counts(optimizer) -> bool:
+    """Whether the optimizer keeps a step count on the host (a CPU 'step' tensor) for a tpu parameter."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step") if p.device.type == "tpu" else None
+            if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+                return True
+    return False
+
+
 def _capture_check(optimizer, args, kwargs) -> None:
     # A captured step replays without Python: an optimizer whose step count
-    # and bias corrections are host numbers (capturable=False) would replay
-    # the capture's numbers forever. PyTorch makes this check for CUDA and XPU only.
+    # and bias corrections are host numbers (capturable=False, or one with no
+    # capturable option such as Adagrad) would replay the capture's numbers
+    # forever. PyTorch makes this check for CUDA and XPU only.
     if torch.compiler.is_compiling() or not _C._capturing():
         return
+    why = None
     if not all(group.get("capturable", True) for group in optimizer.param_groups):
-        raise RuntimeError(f"Attempting tpu graph capture of step() for an instance of {type(optimizer).__name__} "
-                           "but param_groups' capturable is False: construct it with capturable=True")
+        why = "param_groups' capturable is False: construct it with capturable=True"
+    elif _host_step_counts(optimizer):
+        why = "it keeps its step count on the host (a CPU 'step' tensor), which a replay would not advance"
+    if why is not None:
+        message = f"Attempting tpu graph capture of step() for an instance of {type(optimizer).__name__} but {why}"
+        _C._fail_capture(torch.tpu.current_device(), message)
+        raise RuntimeError(message)
 
 
 register_optimizer_step_pre_hook(_capture_check)
+register_optimizer_step_post_hook(_capture_check)  # the first step makes the state it checks
 
 # Inference has no optimizer step: fused mode also cuts the graph when an
 # outermost module call returns with autograd off, so an evaluation loop is

@@ -126,6 +126,12 @@ class _CompiledGraph:
         # Debug mode waits and checks at every op: no replay there. A graph
         # capture (torch.accelerator.Graph) records the ops: its replay is the step's one program.
         if _C._capturing():
+            if any(isinstance(a, torch.Tensor) and a.device.type != "tpu" for a in args):
+                # A host tensor's value (a non-capturable optimizer's step count) would be fixed in every replay.
+                message = ("a torch.compile graph with CPU tensor inputs cannot be captured in a graph: a replay "
+                           "would use their values at capture (use capturable=True optimizers; move the tensors to tpu)")
+                _C._fail_capture(torch.tpu.current_device(), message)
+                raise RuntimeError(message)
             return self.gm.forward(*args)
         split = _C._split_replay_args(args) if _REPLAY and user_mode() != "debug" and not self.data_dependent else None
         replayable = split is not None and len(self.plans) < _MAX_SIZES_REPLAYED

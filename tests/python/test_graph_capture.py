@@ -268,3 +268,94 @@ def test_captured_static_cache_decode_step_matches_cpu(kind, compiled):
     assert torch_pjrt.metrics()["graph_replays"] - start == new_tokens
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+# ---- what a replay could otherwise get silently wrong (each raises or matches the CPU) ----
+
+def test_switching_mode_inside_a_capture_raises():
+    acc = torch.zeros(3, device="tpu")
+    other = "strict" if torch_pjrt.get_mode() != "strict" else "debug"
+    with pytest.raises(RuntimeError, match="while tpu:0 is capturing"):
+        with torch.accelerator.Graph():
+            with torch_pjrt.mode(other):
+                acc.add_(1)
+    torch.testing.assert_close(acc.cpu(), torch.zeros(3))
+
+
+def test_cpu_scalar_tensor_is_not_fixed_into_replays():
+    # A 0-d CPU tensor (an LR a scheduler changes) is state, not a number: refused.
+    x = torch.ones(3, device="tpu")
+    scale = torch.tensor(2.0)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        with torch.accelerator.Graph():
+            y = x * scale  # noqa: F841
+    # A Python number is fixed, as on CUDA.
+    graph = torch.accelerator.Graph()
+    with graph:
+        y = x * 2.0
+    graph.replay()
+    torch.testing.assert_close(y.cpu(), torch.full((3,), 2.0))
+
+
+def test_checkpointed_dropout_recomputes_the_forward_mask_in_replays():
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(256, device="tpu", requires_grad=True)
+
+    def step():
+        x.grad = None
+        y = checkpoint(lambda t: F.dropout(t, 0.5, True), x, use_reentrant=False)
+        (y * 3).sum().backward()
+        return y
+
+    step()
+    graph = torch.accelerator.Graph()
+    with graph:
+        y = step()
+    masks = []
+    for _ in range(3):
+        graph.replay()
+        kept = y.detach().cpu() != 0
+        # Reference: dropout's gradient is the forward's mask times 3 * 2 (CPU semantics of checkpoint).
+        torch.testing.assert_close(x.grad.cpu(), kept.float() * 6.0)
+        masks.append(kept)
+    assert not torch.equal(masks[0], masks[1])
+
+
+def test_reseeding_inside_a_capture_raises():
+    z = torch.ones(64, device="tpu")
+    with pytest.raises(RuntimeError, match="reseeded"):
+        with torch.accelerator.Graph():
+            torch.manual_seed(0)
+            F.dropout(z, 0.5, True)
+
+
+def test_optimizer_with_host_step_counts_raises():
+    w = torch.nn.Parameter(torch.ones(4, device="tpu"))
+    opt = torch.optim.Adagrad([w], lr=0.1, lr_decay=0.5)  # no capturable option: CPU step counts
+    w.grad = torch.ones(4, device="tpu")
+    opt.step()
+    with pytest.raises(RuntimeError, match="step count on the host"):
+        with torch.accelerator.Graph():
+            opt.step()
+
+
+def test_compiled_graph_with_cpu_inputs_raises():
+    torch._dynamo.reset()
+    w = torch.nn.Parameter(torch.ones(4, device="tpu"))
+    opt = torch.optim.Adam([w], lr=0.1, capturable=False)
+    w.grad = torch.ones(4, device="tpu")
+    step = torch.compile(opt.step, backend="tpu")
+    step()
+    with pytest.raises(RuntimeError, match="CPU tensor inputs|capturable is False"):
+        with torch.accelerator.Graph():
+            step()
+
+
+def test_debug_dump_needs_debug_mode_first():
+    graph = torch.accelerator.Graph()
+    x = torch.randn(2, device="tpu")
+    with graph:
+        y = x + 1  # noqa: F841
+    with pytest.raises(RuntimeError, match="enable_debug_mode"):
+        graph.debug_dump("/dev/null")
