@@ -58,7 +58,8 @@ def jax_step_time(setup, steps, on_plugin=False):
     return median(times)
 
 
-def compiled_step_time(setup, steps):
+def compiled_pieces(setup):
+    """The compiled training step's pieces: (x, y, opt, loss_of, opt_step), loss and AdamW step compiled."""
     torch._dynamo.reset()
     with torch_pjrt.mode("fused"):
         torch.manual_seed(0)
@@ -68,12 +69,16 @@ def compiled_step_time(setup, steps):
         # make it run op by op on every call).
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
 
-        @torch.compile(backend="tpu")
-        def loss_of(x, y):
-            return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    @torch.compile(backend="tpu")
+    def loss_of(x, y):
+        return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
 
-        opt_step = torch.compile(opt.step, backend="tpu")
+    return x, y, opt, loss_of, torch.compile(opt.step, backend="tpu")
 
+
+def compiled_step_time(setup, steps):
+    x, y, opt, loss_of, opt_step = compiled_pieces(setup)
+    with torch_pjrt.mode("fused"):
         def step():
             opt.zero_grad()
             loss = loss_of(x, y)
@@ -120,17 +125,7 @@ def eager_stepper(setup, device, mode):
 
 def compiled_stepper(setup):
     """The compiled training step (see compiled_step_time); (step, XLA programs per step, replayed)."""
-    torch._dynamo.reset()
-    with torch_pjrt.mode("fused"):
-        torch.manual_seed(0)
-        model, x, y = setup("tpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-
-        @torch.compile(backend="tpu")
-        def loss_of(x, y):
-            return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
-
-        opt_step = torch.compile(opt.step, backend="tpu")
+    x, y, opt, loss_of, opt_step = compiled_pieces(setup)
 
     def step():
         with torch_pjrt.mode("fused"):
@@ -151,12 +146,7 @@ def compiled_stepper(setup):
 def captured_stepper(setup):
     """The compiled training step captured once in a torch.accelerator.Graph: each call is a
     replay (one XLA program, no Python, dispatch or recording) and the loss read back."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, x, y = setup("tpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    loss_of = torch.compile(lambda x, y: F.cross_entropy(model(x).flatten(0, -2), y.flatten()), backend="tpu")
-    opt_step = torch.compile(opt.step, backend="tpu")
+    x, y, opt, loss_of, opt_step = compiled_pieces(setup)
 
     def eager_step():
         opt.zero_grad()

@@ -751,13 +751,20 @@ std::deque<std::shared_ptr<Work>> take_in_flight(int device) {
   return std::exchange(ctx.in_flight, {});
 }
 
+pjrt::BufferPtr rng_state_buffer(RngDraw draw, int device) {
+  uint64_t state[2] = {draw.seed, draw.offset};
+  return client().buffer_from_host(state, ElementType::U64, {2}, device);
+}
+
+uint64_t rng_numbers_reserved(uint64_t count) { return (count + 3) / 4 * 4; }  // Threefry: 4 words per counter block
+
 RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint64_t count) {
   at::Generator g = gen && gen->defined() ? *gen : default_generator(device);
   std::lock_guard<std::mutex> lock(g.mutex());
   auto* impl = g.get<TpuGenerator>();
   TORCH_CHECK(impl, "expected a tpu generator, got one for ", g.device());
   RngDraw draw{impl->seed_, impl->offset_};
-  impl->offset_ += (count + 3) / 4 * 4;  // Threefry hands out 4 words per counter block
+  impl->offset_ += rng_numbers_reserved(count);
   return draw;
 }
 

@@ -119,6 +119,10 @@ struct RngDraw {
   uint64_t offset;
 };
 RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint64_t count);
+// A random op's state operand: the draw's (seed, offset) as two u64 on `device`.
+pjrt::BufferPtr rng_state_buffer(RngDraw draw, int device);
+// How far a draw of `count` numbers advances the generator's offset.
+uint64_t rng_numbers_reserved(uint64_t count);
 const at::Generator& default_generator(int device);
 
 }  // namespace torch_pjrt

@@ -1780,9 +1780,7 @@ pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref) {
     case OperandRef::Rng: {
       std::optional<at::Generator> gen;
       if (ref.arg >= 0 && call.args[ref.arg].isGenerator()) gen = call.args[ref.arg].toGenerator();
-      RngDraw draw = next_rng_draw(gen, call.device, ref.count);
-      uint64_t state[2] = {draw.seed, draw.offset};
-      return client().buffer_from_host(state, ElementType::U64, {2}, call.device);
+      return rng_state_buffer(next_rng_draw(gen, call.device, ref.count), call.device);
     }
     case OperandRef::Storage:
       break;

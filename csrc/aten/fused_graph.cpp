@@ -462,12 +462,8 @@ std::pair<std::string, std::string> graph_profile(const PendingGraph& g, const c
   return {name + (g.ops.size() > 3 ? ", ...)" : ")"), ops};
 }
 
-void clear_graph(PendingGraph& g) {
-  {
-    std::lock_guard<std::mutex> lock(storage_mutex());
-    for (size_t id = 0; id < g.storages.size(); ++id)
-      if (g.written[id]) storage_state(g.storages[id]).pending = false;
-  }
+// Empties the graph's recording (its storages keep their pending flags).
+void reset_recording(PendingGraph& g) {
   g.ops.clear();
   g.compile_cost = 0;
   g.operands.clear();
@@ -485,6 +481,30 @@ void clear_graph(PendingGraph& g) {
   g.inputs.inputs.clear();
   g.key.clear();
   g.device = -1;
+}
+
+void clear_graph(PendingGraph& g) {
+  {
+    std::lock_guard<std::mutex> lock(storage_mutex());
+    for (size_t id = 0; id < g.storages.size(); ++id)
+      if (g.written[id]) storage_state(g.storages[id]).pending = false;
+  }
+  reset_recording(g);
+}
+
+// The program's results: written storages that something besides the graph
+// still holds and that were not freed since (see resize_storage_after_graph).
+// Appends their ids to *key (null: no key).
+std::vector<int> graph_results(const PendingGraph& g, std::string* key) {
+  std::vector<int> live;
+  for (size_t id = 0; id < g.storages.size(); ++id) {
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id] &&
+        extent_bytes(storage_state(g.storages[id])) > 0) {
+      live.push_back(static_cast<int>(id));
+      if (key) *key += std::to_string(id) + ",";
+    }
+  }
+  return live;
 }
 
 // Donation: a storage the graph reads and then overwrites (a parameter or an
@@ -570,9 +590,7 @@ bool donations_unshared(const std::vector<pjrt::BufferPtr>& operands, const std:
 void draw_rng_states(std::vector<pjrt::BufferPtr>& operands, const std::vector<int64_t>& counts, int device) {
   for (size_t k = 0; k < counts.size(); ++k) {
     if (counts[k] < 0) continue;
-    RngDraw draw = next_rng_draw(std::nullopt, device, static_cast<uint64_t>(counts[k]));
-    uint64_t state[2] = {draw.seed, draw.offset};
-    operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, device);
+    operands[k] = rng_state_buffer(next_rng_draw(std::nullopt, device, static_cast<uint64_t>(counts[k])), device);
   }
 }
 
@@ -593,17 +611,8 @@ void check_not_capturing(PendingGraph& g, int device) {
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   check_not_capturing(g, g.device);
-  // Outputs: written storages that something besides this graph still holds
-  // and that were not freed since (see resize_storage_after_graph).
-  std::vector<int> live;
   std::string key = g.key + "|live:";
-  for (size_t id = 0; id < g.storages.size(); ++id) {
-    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id] &&
-        extent_bytes(storage_state(g.storages[id])) > 0) {
-      live.push_back(static_cast<int>(id));
-      key += std::to_string(id) + ",";
-    }
-  }
+  std::vector<int> live = graph_results(g, &key);
   std::map<int, int> donated = donations(g, live);
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
@@ -1114,24 +1123,8 @@ void move_recording(PendingGraph& from, PendingGraph& to) {
   to.inputs = std::move(from.inputs);
   to.key = std::move(from.key);
   to.run = std::move(from.run);
-  from.ops.clear();
-  from.compile_cost = 0;
-  from.operands.clear();
-  from.operand_storage.clear();
-  from.operand_kind.clear();
-  from.operand_rng_count.clear();
-  from.operand_of_buffer.clear();
-  from.operand_of_metadata.clear();
-  from.storages.clear();
-  from.ids.clear();
-  from.written.clear();
-  from.has_value.clear();
-  from.extents.clear();
-  from.snapshot_refs.clear();
-  from.inputs.inputs.clear();
-  from.key.clear();
+  reset_recording(from);
   from.run.reset();
-  from.device = -1;
 }
 
 // The captured ops never run: storages they wrote keep the value they had
@@ -1207,12 +1200,9 @@ std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
                             "capture's start (set_rng_state) inside the capture: a replay cannot repeat that");
     cap->rng_relative[k] = static_cast<int64_t>(state[1] - start.offset);
     uint64_t count = static_cast<uint64_t>(r.operand_rng_count[k]);
-    cap->rng_span = std::max(cap->rng_span, state[1] - start.offset + (count + 3) / 4 * 4);
+    cap->rng_span = std::max(cap->rng_span, state[1] - start.offset + rng_numbers_reserved(count));
   }
-  for (size_t id = 0; id < r.storages.size(); ++id)
-    if (r.written[id] && r.storages[id].use_count() > 1 + r.snapshot_refs[id] &&
-        extent_bytes(storage_state(r.storages[id])) > 0)
-      cap->live.push_back(static_cast<int>(id));
+  cap->live = graph_results(r, nullptr);
   cap->donated = donations(r, cap->live);
   try {
     if (!r.ops.empty()) cap->compiled = compile_graph(r, cap->live, cap->donated, keep_text ? &cap->program_text : nullptr);
@@ -1271,8 +1261,7 @@ void replay_captured(CapturedGraph& cap) {
     RngDraw base = next_rng_draw(std::nullopt, cap.device, cap.rng_span);
     for (size_t k = 0; k < operands.size(); ++k) {
       if (cap.rng_relative[k] < 0) continue;
-      uint64_t state[2] = {base.seed, base.offset + static_cast<uint64_t>(cap.rng_relative[k])};
-      operands[k] = client().buffer_from_host(state, ElementType::U64, {2}, cap.device);
+      operands[k] = rng_state_buffer({base.seed, base.offset + static_cast<uint64_t>(cap.rng_relative[k])}, cap.device);
     }
   }
   std::vector<pjrt::Buffer*> raw;
