@@ -205,7 +205,7 @@ _ROW_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "clone", "_to_copy", 
               "new_full", "full_like", "zeros_like", "ones_like", "empty_like", "empty_strided", "permute",
               "transpose", "constant_pad_nd", "native_layer_norm"}
 # ops working along a dim argument, which must not be the batch dim: (its position, its default; None: every dim)
-_DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "sum": (1, None), "mean": (1, None),
+_DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "_safe_softmax": (1, None), "sum": (1, None), "mean": (1, None),
             "amax": (1, None), "amin": (1, None), "prod": (1, None), "var": (1, None), "std": (1, None),
             "var_mean": (1, None), "argmax": (1, None), "argmin": (1, None), "any": (1, None), "all": (1, None),
             "logsumexp": (1, None), "cumsum": (1, None), "max": (1, None), "min": (1, None), "slice": (1, 0),
@@ -223,61 +223,94 @@ def _symbol_of(size):
     return node.expr if node is not None else None
 
 
-def _depends(size, symbol) -> bool:
-    """A size (or symbolic number) that is a function of the symbol."""
+def _depends(size, batch) -> bool:
+    """A size (or symbolic number) that is a function of a batch symbol."""
     expr = _symbol_of(size)
-    return expr is not None and symbol in expr.free_symbols
+    return expr is not None and not expr.free_symbols.isdisjoint(batch)
 
 
-def _batch_symbol(gm):
-    """The symbol every tensor carries only as a factor of dim 0, if the graph keeps its rows apart; else None."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    symbol = None
-    for n in placeholders:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() > 0:
-            expr = _symbol_of(val.shape[0])
-            if expr is not None and expr.is_Symbol:
-                symbol = expr
-                break
-    if symbol is None:
+def _per_row(expr, batch):
+    """expr / its batch symbol, when expr is one batch symbol times a factor free of them; else None."""
+    present = [s for s in expr.free_symbols if s in batch]
+    if len(present) != 1:
         return None
+    factor = expr / present[0]
+    return factor if factor.free_symbols.isdisjoint(batch) else None
+
+
+def _batch_symbol_in(expr, batch):
+    return next(s for s in expr.free_symbols if s in batch)
+
+
+def _batch_symbols(gm, masked=None):
+    """The batch: the size symbols every tensor carries only as a factor of dim 0, if the graph keeps its
+    rows apart; else None.
+
+    Every input's dim 0 that is a bare batch counts as the batch (a graph may get a tensor's rows and its
+    labels' rows as two symbols); a call runs at a bucket only when they all have one value. With a list for
+    `masked`, a reduction over the batch that a row mask can restrict to the real rows (_maskable) is allowed
+    too and appended to it (training graphs, rewritten by _training_buckets).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = frozenset(_symbol_of(n.meta["val"].shape[0]) for n in placeholders
+                       if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+                       and _symbol_of(n.meta["val"].shape[0]) is not None and _symbol_of(n.meta["val"].shape[0]).is_Symbol)
+    if not batch:
+        return _refuse("no input has a dynamic size in dim 0")
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder":
             if isinstance(val, torch.Tensor):
-                if not _batch_dims_ok(val, symbol):
-                    return None  # an input with the batch in another dim (it would not be padded)
+                if not _batch_dims_ok(val, batch):
+                    return _refuse("an input has the batch outside dim 0", n)  # it would not be padded
                 continue
-            if _depends(val, symbol) and _symbol_of(val) != symbol:
-                return None  # an int argument that is a function of the batch
+            if _depends(val, batch) and _symbol_of(val) not in batch:
+                return _refuse("an int argument is a function of the batch", n)
             continue
         if n.op == "output":
-            if _mentions(list(n.args[0]), symbol):
-                return None  # an int output that depends on the batch
+            if _mentions(list(n.args[0]), batch):
+                return _refuse("an int output depends on the batch", n)
             continue
+        if n.op == "get_attr":
+            continue  # a constant tensor: it cannot have the batch's size
         if n.op != "call_function":
-            return None
-        if not _rows_kept(n, symbol):
-            return None
-    return symbol
+            return _refuse("not a function call", n)
+        if not _rows_kept(n, batch):
+            if masked is None or not _maskable(n, batch):
+                return _refuse("this op mixes rows or uses the batch size as a number", n)
+            masked.append(n)
+    return batch
 
 
-def _batch_dims_ok(val, symbol) -> bool:
-    """The batch symbol appears only in dim 0, as a factor of it."""
+def _refuse(reason, node=None):
+    """Notes why the last graph analysed runs at exact batch sizes (bucket_refusal()); returns None."""
+    _refusal[0] = reason + (f": {node.format_node()}" if node is not None else "")
+    return None
+
+
+_refusal = [""]
+
+
+def bucket_refusal() -> str:
+    """Why the last graph torch.compile analysed runs at exact batch sizes ('' if it runs at buckets)."""
+    return _refusal[0]
+
+
+def _batch_dims_ok(val, batch) -> bool:
+    """A batch batch appears only in dim 0, as a factor of it."""
     vals = val if isinstance(val, (tuple, list)) else [val]
     for v in vals:
         if not isinstance(v, torch.Tensor):
-            if _depends(v, symbol):
+            if _depends(v, batch):
                 return False
             continue
         for d, size in enumerate(v.shape):
-            if _depends(size, symbol) and (d != 0 or symbol in (_symbol_of(size) / symbol).free_symbols):
+            if _depends(size, batch) and (d != 0 or _per_row(_symbol_of(size), batch) is None):
                 return False
     return True
 
 
-def _rows_kept(node, symbol) -> bool:
+def _rows_kept(node, batch) -> bool:
     import operator
 
     target = node.target
@@ -291,8 +324,10 @@ def _rows_kept(node, symbol) -> bool:
         return False
     name = target._schema.name.split("::")[-1]
     if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+        if name == "_local_scalar_dense":  # .item() of a tensor without the batch (a module's float attribute)
+            return not _carries(node.args[0], batch)
         return name in ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")  # sizes, not values
-    if not _batch_dims_ok(node.meta.get("val"), symbol):
+    if not _batch_dims_ok(node.meta.get("val"), batch):
         return False
     args = node.args
     # A number that is a function of the batch (`x * x.shape[0]`, a slice bound) would take the padded value.
@@ -300,12 +335,12 @@ def _rows_kept(node, symbol) -> bool:
     named = [(schema_args[i].name if i < len(schema_args) else "", a) for i, a in enumerate(args)]
     for arg_name, value in named + list(node.kwargs.items()):
         sizes = arg_name in _SIZE_ARGUMENTS or (name == "arange" and arg_name == "end")
-        if not sizes and not _is_tensor_node(value) and _mentions(value, symbol):
+        if not sizes and not _is_tensor_node(value) and _mentions(value, batch):
             return False
     if name == "slice" and _whole_slice(args):
         return True  # x[:, 1] slices dim 0 from 0 to the end: the identity
-    if not any(_carries(a, symbol) for a in list(args) + list(node.kwargs.values())) and \
-            not _carries(node.meta.get("val"), symbol):
+    if not any(_carries(a, batch) for a in list(args) + list(node.kwargs.values())) and \
+            not _carries(node.meta.get("val"), batch):
         return True  # the op never sees the batch (a weight's transpose)
     if torch.Tag.pointwise in target.tags:
         if name in _INT_DIVISIONS:
@@ -314,11 +349,11 @@ def _rows_kept(node, symbol) -> bool:
                 return False
         return True
     if name in ("mm", "addmm"):
-        return not _carries(args[-1], symbol)  # mat2 carries no batch
+        return not _carries(args[-1], batch)  # mat2 carries no batch
     if name == "embedding":
-        return not _carries(args[0], symbol)  # the table
+        return not _carries(args[0], batch)  # the table
     if name == "convolution":
-        return not _carries(args[1], symbol)  # the weight
+        return not _carries(args[1], batch)  # the weight
     if name in _ROW_VIEWS or name in _DIM_OPS:
         dims = _dims_of(node, name)
         return dims is not None and 0 not in dims
@@ -333,26 +368,26 @@ def _whole_slice(args) -> bool:
     return dim == 0 and start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
-def _carries(value, symbol) -> bool:
+def _carries(value, batch) -> bool:
     """A tensor (or a node or list of them) with the batch in its shape."""
     if isinstance(value, (list, tuple)):
-        return any(_carries(v, symbol) for v in value)
+        return any(_carries(v, batch) for v in value)
     if isinstance(value, torch.fx.Node):
         value = value.meta.get("val")
-    return isinstance(value, torch.Tensor) and any(_depends(s, symbol) for s in value.shape)
+    return isinstance(value, torch.Tensor) and any(_depends(s, batch) for s in value.shape)
 
 
 def _is_tensor_node(a) -> bool:
     return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
-def _mentions(value, symbol) -> bool:
+def _mentions(value, batch) -> bool:
     """A non-tensor argument (a number, a list of them, a size node) that depends on the batch."""
     if isinstance(value, (list, tuple)):
-        return any(_mentions(v, symbol) for v in value)
+        return any(_mentions(v, batch) for v in value)
     if isinstance(value, torch.fx.Node):
         value = value.meta.get("val")
-    return not isinstance(value, torch.Tensor) and _depends(value, symbol)
+    return not isinstance(value, torch.Tensor) and _depends(value, batch)
 
 
 def _dims_of(node, name):
@@ -361,12 +396,12 @@ def _dims_of(node, name):
     if name not in _DIM_OPS and name not in ("native_layer_norm", "permute", "transpose", "constant_pad_nd"):
         return set()  # no dim argument: a view, a matmul, a factory (the shape check covers them)
     first = args[0]
-    if isinstance(first, (list, tuple)):  # cat, stack: a list of tensors
-        first = next((a for a in first if isinstance(a, torch.fx.Node)), None)
+    if isinstance(first, (list, tuple)):  # cat, stack: a list of tensors (cat's may hold empty 1-d ones)
+        first = node
     first = first.meta.get("val") if isinstance(first, torch.fx.Node) else None
     if not isinstance(first, torch.Tensor):
         return None
-    rank = max(first.dim() + (1 if name == "stack" else 0), 1)
+    rank = max(first.dim(), 1)
     if name == "native_layer_norm":
         return set(range(rank - len(args[1]), rank))
     if name == "permute":
@@ -393,50 +428,72 @@ def _bucket(n: int) -> int:
 
 
 class _BatchBuckets:
-    """How one inference graph runs a batch at its bucket: which arguments are the batch, which are padded."""
+    """How one graph runs a batch at its bucket: which arguments are the batch, which are padded."""
 
-    def __init__(self, gm, symbol):
-        self.symbol = symbol
+    def __init__(self, gm, batch):
+        self.batch = batch  # the batch's size symbols
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.symbols = {}  # bare size symbol -> argument index
+        self.symbols = {}  # bare size symbol -> int argument index
+        self.dims = []     # (tensor argument index, dim, bare size symbol): the sizes the tensors give
         self.padded = {}   # tensor argument index -> dim 0 / batch (a sympy expression in other sizes)
+        self.sources = {}  # batch symbol -> a tensor argument index whose dim 0 it is
         for i, n in enumerate(placeholders):
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor):
-                if val.dim() > 0 and _depends(val.shape[0], symbol):
-                    self.padded[i] = _symbol_of(val.shape[0]) / symbol
+                for d, size in enumerate(val.shape):
+                    expr = _symbol_of(size)
+                    if expr is not None and expr.is_Symbol:
+                        self.dims.append((i, d, expr))
+                if val.dim() > 0 and _depends(val.shape[0], batch):
+                    self.padded[i] = _per_row(_symbol_of(val.shape[0]), batch)
+                    if _symbol_of(val.shape[0]) in batch:
+                        self.sources.setdefault(_symbol_of(val.shape[0]), i)
             else:
                 expr = _symbol_of(val)
                 if expr is not None and expr.is_Symbol:
                     self.symbols[expr] = i
-        self.source = next(i for i, c in self.padded.items() if c == 1)  # an argument whose dim 0 is the batch
+        self.source = next(iter(self.sources.values()))  # an argument whose dim 0 is the batch
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self.cut = []  # per output: dim 0 / batch, or None
         for out in output.args[0]:
             val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
-            batched = isinstance(val, torch.Tensor) and val.dim() > 0 and _depends(val.shape[0], symbol)
-            self.cut.append(_symbol_of(val.shape[0]) / symbol if batched else None)
+            batched = isinstance(val, torch.Tensor) and val.dim() > 0 and _depends(val.shape[0], batch)
+            self.cut.append(_per_row(_symbol_of(val.shape[0]), batch) if batched else None)
 
-    def pad(self, args):
-        """(the arguments at the bucket, the real batch, the sizes), or None to run at the exact size."""
-        batch = args[self.source].shape[0]
-        bucket = _bucket(batch)
-        if bucket == batch:
-            return None
+    def sizes(self, args):
+        """(the real batch, the value of every size symbol the arguments give, the rows per padded argument),
+        with None for the rows when the call cannot run at a bucket (batch symbols of different values, a
+        factor that is not a plain size)."""
         values = {s: args[i] for s, i in self.symbols.items()}
-        if values.get(self.symbol, batch) != batch:
-            return None
+        for i, d, expr in self.dims:
+            values.setdefault(expr, args[i].shape[d])
+        batch = args[self.source].shape[0]
+        if any(values.get(s, batch) != batch for s in self.batch):
+            return batch, values, None
         try:
-            rows = {i: int(c.subs(values)) for i, c in self.padded.items()}
+            return batch, values, {i: int(c.subs(values)) for i, c in self.padded.items()}
         except (TypeError, ValueError):
-            return None  # a factor that is not a plain size
+            return batch, values, None
+
+    def at_bucket(self, args, batch, rows, bucket, pad):
+        """The arguments with every batch argument padded to the bucket by pad(tensor, extra rows)."""
         padded = list(args)
         for i, per_row in rows.items():
-            t = args[i]
-            padded[i] = torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, (bucket - batch) * per_row])
-        if self.symbol in self.symbols:
-            padded[self.symbols[self.symbol]] = bucket
-        return padded, batch, values
+            padded[i] = pad(args[i], (bucket - batch) * per_row)
+        for s in self.batch:
+            if s in self.symbols:
+                padded[self.symbols[s]] = bucket
+        return padded
+
+    def pad(self, args):
+        """(the arguments at the bucket with zero rows, the real batch, the sizes), or None to run at the exact
+        size."""
+        batch, values, rows = self.sizes(args)
+        bucket = _bucket(batch)
+        if rows is None or bucket == batch:
+            return None
+        zeros = lambda t, extra: torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, extra])
+        return self.at_bucket(args, batch, rows, bucket, zeros), batch, values
 
     def cut_outputs(self, outs, batch, values):
         cut = list(outs)
@@ -450,10 +507,185 @@ def _batch_buckets(gm):
     if not _BUCKETS:
         return None
     try:
-        symbol = _batch_symbol(gm)
-        return _BatchBuckets(gm, symbol) if symbol is not None else None
+        batch = _batch_symbols(gm)
+        return _BatchBuckets(gm, batch) if batch is not None else None
     except Exception:  # a graph the analysis does not understand runs at its exact sizes
         return None
+
+
+# ---- dynamic batch buckets for training graphs ------------------------------
+# A training graph mixes its rows twice: its loss usually sums or averages over
+# the batch, and backward sums every weight gradient over it. Such a graph is
+# traced to ATen before AOTAutograd (below autograd, as AOTAutograd would) and
+# accepted when it keeps its rows apart except for reductions a row mask can
+# restrict to the real rows: a sum or a mean over the batch, and nll_loss
+# (cross_entropy), whose padded targets become its ignore_index. Those get the
+# mask; the number of padded rows is one more graph input (a 0-d tensor, so
+# every batch size in a bucket is one program, and 0 keeps every row at an
+# exact size); AOTAutograd then differentiates the rewritten graph. Padded rows
+# thus get exactly zero gradient and add nothing to any weight gradient.
+# Inputs are padded with copies of their last row, outside autograd: a real
+# row's values are finite wherever the real rows' are, where zero rows could
+# give 0 * inf = nan in a gradient.
+
+_MASKABLE = {"sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "nll_loss_forward.default",
+             "nll_loss2d_forward.default"}
+# Losses with their own ATen op, decomposed into pointwise ops and a sum or mean the mask can take.
+_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "soft_margin_loss")
+
+
+def _maskable(node, batch) -> bool:
+    """A reduction over the batch that a mask of the padded rows makes exact."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target._schema.name.split("::")[-1]
+    if f"{name}.{target._overloadname}" not in _MASKABLE:
+        return False
+    x = node.args[0]
+    if not _is_tensor_node(x) or not _batch_dims_ok(x.meta["val"], batch) or _carries(node.meta.get("val"), batch):
+        return False  # an input with the batch elsewhere, or an output that keeps rows (reduction='none')
+    if any(_mentions(a, batch) for a in list(node.args[1:]) + list(node.kwargs.values())):
+        return False
+    if name.startswith("nll_loss"):
+        labels = node.args[1]
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        return (_is_tensor_node(labels) and _carries(labels, batch) and _batch_dims_ok(labels.meta["val"], batch)
+                and not _carries(weight, batch))
+    return True
+
+
+def _row_mask(x, rows_of, padding):
+    """True on the rows of x that hold the real batch. Dim 0 of x is a multiple of the batch (dim 0 of
+    rows_of), and the last `padding` rows of each multiple are padding."""
+    rows = x.shape[0]
+    keep = torch.arange(rows, device=x.device) < rows - padding * (rows // rows_of.shape[0])
+    return keep.view([rows] + [1] * (x.dim() - 1))
+
+
+def _masked_sum(rows_of, padding, x, *args, **kwargs):
+    return torch.ops.aten.sum(torch.where(_row_mask(x, rows_of, padding), x, 0), *args, **kwargs)
+
+
+def _masked_mean(rows_of, padding, x, dim=None, keepdim=False, *, dtype=None):
+    # The sum over the real rows divided by their count: what the exact size's mean computes.
+    total = torch.ops.aten.sum.dim_IntList(torch.where(_row_mask(x, rows_of, padding), x, 0), dim or [], keepdim,
+                                           dtype=dtype)
+    count = x.shape[0] - padding * (x.shape[0] // rows_of.shape[0])
+    for d in sorted({d % x.dim() for d in dim} if dim else range(x.dim())):
+        if d != 0:
+            count = count * x.shape[d]
+    return total / count
+
+
+def _masked_nll(name, rows_of, padding, x, labels, *args):
+    ignore_index = args[-1]
+    labels = torch.where(_row_mask(labels, rows_of, padding), labels, ignore_index)
+    return getattr(torch.ops.aten, name).default(x, labels, *args)
+
+
+def _global_state_free(gm) -> bool:
+    """A Dynamo graph whose ATen trace keeps its meaning: no grad-mode, autocast or other global-state switch
+    (tracing below autograd forgets them) and no higher-order op (checkpoint, autograd.Function)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            return False
+        if n.op == "call_method" and n.target in ("requires_grad_", "retain_grad", "register_hook", "backward"):
+            return False
+        if n.op != "call_function":
+            continue
+        if isinstance(n.target, torch._ops.HigherOrderOperator):
+            return False
+        name = getattr(n.target, "__name__", "")
+        if "grad" in name or "autocast" in name or name.startswith("_set_") or "seed" in name or "rng" in name:
+            return False
+    return True
+
+
+def _training_buckets(gm):
+    """(the Dynamo graph as an ATen graph with masked reductions and a padding input, its _BatchBuckets),
+    or None when the graph must run at exact sizes."""
+    from torch._decomp import get_decompositions
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import torch.fx.traceback as fx_traceback
+
+    if not _BUCKETS or not torch.is_grad_enabled():
+        return None
+    fake = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [v for v in fake if isinstance(v, FakeTensor)]
+    if not any(v.requires_grad for v in tensors):
+        return None  # inference: _inference_compiler's buckets
+    if not any(v.dim() > 0 and _symbol_of(v.shape[0]) is not None and _symbol_of(v.shape[0]).is_Symbol
+               for v in tensors):
+        return None  # no dynamic batch
+    if not _global_state_free(gm):
+        return _refuse("the graph switches grad mode or autocast, or has a higher-order op")
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", BACKEND)):
+        return _refuse("autocast is on")  # the trace would hold its casts, and AOTAutograd would apply them again
+    losses = get_decompositions([getattr(torch.ops.aten, name) for name in _LOSSES])
+    with tensors[0].fake_mode, fx_traceback.preserve_node_meta():
+        # The interpreter sets each Dynamo node's meta while its ops are traced: errors keep the user's line.
+        traced = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=losses)(*fake)
+    traced.graph.eliminate_dead_code()
+    masked = []
+    batch = _batch_symbols(traced, masked)
+    if batch is None:
+        return None
+    buckets = _BatchBuckets(traced, batch)
+    graph = traced.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        padding = graph.placeholder("padding")
+    for node in masked:
+        name = node.target._schema.name.split("::")[-1]
+        rows = node.args[1 if name.startswith("nll_loss") else 0]
+        rows_of = placeholders[buckets.sources[_batch_symbol_in(_symbol_of(rows.meta["val"].shape[0]), batch)]]
+        with graph.inserting_before(node):
+            if name == "sum":
+                new = graph.call_function(_masked_sum, (rows_of, padding) + tuple(node.args), dict(node.kwargs))
+            elif name == "mean":
+                new = graph.call_function(_masked_mean, (rows_of, padding) + tuple(node.args), dict(node.kwargs))
+            else:
+                args = list(node.args) + [node.kwargs.get(a.name, a.default_value)
+                                         for a in node.target._schema.arguments[len(node.args):]]
+                new = graph.call_function(_masked_nll, (name, rows_of, padding) + tuple(args))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.lint()
+    traced.recompile()
+    _refusal[0] = ""
+    return traced, buckets
+
+
+class _TrainingCall:
+    """Runs a training graph's compiled function at the bucket of its batch, with the padding as input."""
+
+    def __init__(self, compiled, buckets):
+        self.compiled = compiled
+        self.buckets = buckets
+        self.paddings = {}  # (device, rows of padding) -> the 0-d tensor holding it
+
+    def __call__(self, *args):
+        b = self.buckets
+        batch, values, rows = b.sizes(args)
+        bucket = _bucket(batch) if batch > 0 and rows is not None else batch
+        if bucket != batch:
+            # Copies of the last row, outside autograd: no gradient reaches them (the masks give them none).
+            repeat = lambda t, extra: torch.cat([t, t[-1:].detach().expand(extra, *t.shape[1:])])
+            args = b.at_bucket(args, batch, rows, bucket, repeat)
+        device = args[b.source].device
+        padding = self.paddings.get((device, bucket - batch))
+        if padding is None:
+            padding = self.paddings[(device, bucket - batch)] = torch.tensor(bucket - batch, device=device)
+        outs = self.compiled(*args, padding)
+        if bucket == batch:
+            return outs
+        _bucket_calls[0] += 1
+        cut = b.cut_outputs(outs, batch, values)
+        return type(outs)(cut) if isinstance(outs, tuple) else cut
 
 
 # TORCH_PJRT_BATCH_BUCKETS=0: inference graphs with a dynamic batch run at every exact batch size.
@@ -485,7 +717,17 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     aot = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
                        inference_compiler=_inference_compiler, decompositions=decompositions(),
                        keep_inference_input_mutations=True)
-    compiled = aot(gm, example_inputs, **kwargs)
+    training = None
+    try:
+        training = _training_buckets(gm)
+    except Exception:  # a graph the trace or the analysis does not handle runs at its exact sizes
+        training = None
+    if training is not None:
+        traced, buckets = training
+        padding = torch.tensor(0, device=example_inputs[buckets.source].device)
+        compiled = _TrainingCall(aot(traced, list(example_inputs) + [padding], **kwargs), buckets)
+    else:
+        compiled = aot(gm, example_inputs, **kwargs)
 
     def run(*args):
         return run_as_one_graph(compiled, args)

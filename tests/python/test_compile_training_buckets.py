@@ -1,0 +1,218 @@
+"""torch.compile(backend="tpu", dynamic=True) training graphs at batch buckets.
+
+A training graph with a dynamic batch runs each batch size padded to the next power of two when its rows stay
+apart except for reductions that a row mask restricts to the real rows (a sum or mean over the batch, and
+cross-entropy's nll_loss). Reference: the same model and steps in PyTorch CPU eager, for losses, outputs,
+gradients and parameters after optimizer steps; compile and replay counts from torch_pjrt.metrics().
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_pjrt
+from torch_pjrt import _compile
+
+DEVICE = "tpu"
+
+
+def _programs_and_replays(before, after):
+    programs = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
+    return programs, after["compiled_replays"] - before["compiled_replays"]
+
+
+class Net(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.inp = nn.Linear(width, 32)
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.norm(self.inp(x))))
+
+
+def losses(model, x, labels):
+    """Every reduction the mask handles: cross-entropy (mean), mse_loss, a mean and a sum over the batch, a
+    centred batch (a mean over the batch fed back to every row), and an integer count of correct rows."""
+    logits = model(x)
+    centred = logits - logits.mean(0, keepdim=True)
+    loss = (F.cross_entropy(logits, labels) + F.mse_loss(logits[:, :2], x[:, :2]) + 0.1 * logits.pow(2).mean()
+            + 0.01 * logits.sum() + centred.square().mean(1).sum() * 0.1)
+    correct = (logits.argmax(-1) == labels).sum()
+    return loss, logits, correct
+
+
+SIZES = [3, 5, 7, 5, 9, 3, 6]
+BUCKETS = {3: 4, 5: 8, 6: 8, 7: 8, 9: 16}
+
+
+def test_training_graph_runs_at_its_bucket():
+    """Losses, logits, counts and gradients equal the CPU's at every size; a repeated size compiles nothing and
+    a new size inside a seen bucket compiles no graph program: forward and backward replay the bucket's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    width = 23  # programs no other test compiled
+    cpu = Net(width)
+    dev = Net(width).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    compiled = torch.compile(lambda x, y: losses(dev, x, y), backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    seen, buckets = set(), set()
+    with torch_pjrt.mode("fused"):
+        for n in SIZES:
+            x, labels = torch.randn(n, width), torch.randint(0, 5, (n,))
+            dev.zero_grad()
+            cpu.zero_grad()
+            before = torch_pjrt.metrics()
+            loss, logits, correct = compiled(x.to(DEVICE), labels.to(DEVICE))
+            (loss + logits[:, 0].sum()).backward()  # a gradient through the returned rows too
+            host = (loss.cpu(), logits.cpu(), correct.cpu())
+            grads = [p.grad.cpu() for p in dev.parameters()]
+            programs, replays = _programs_and_replays(before, torch_pjrt.metrics())
+            expected = losses(cpu, x, labels)
+            (expected[0] + expected[1][:, 0].sum()).backward()
+            torch.testing.assert_close(host[0], expected[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(host[1], expected[1], atol=1e-5, rtol=1e-5)
+            assert host[1].shape == (n, 5) and int(host[2]) == int(expected[2])
+            for (name, p), g in zip(cpu.named_parameters(), grads):
+                torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"size {n}, {name}: {m}")
+            if n in seen:
+                assert (programs, replays) == (0, 2), f"size {n} again: {programs} programs, {replays} replays"
+            elif BUCKETS[n] in buckets:
+                assert replays == 2, f"new size {n} in a seen bucket: {replays} replays"
+            else:
+                assert replays == 0, f"new size {n}, new bucket: {replays} replays"
+            seen.add(n)
+            buckets.add(BUCKETS[n])
+    assert _compile._bucket_calls[0] - bucketed == sum(1 for n in SIZES if BUCKETS[n] != n)
+
+
+def test_training_at_buckets_with_an_optimizer_matches_cpu():
+    """AdamW steps over a stream of batch sizes: the same losses and final parameters as on the CPU."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    width = 29
+    cpu = Net(width)
+    dev = Net(width).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    compiled = torch.compile(dev, backend="tpu", dynamic=True)
+    opt_cpu = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-2)
+    bucketed = _compile._bucket_calls[0]
+    for n in [6, 3, 7, 6, 5]:
+        x, labels = torch.randn(n, width), torch.randint(0, 5, (n,))
+        for model, opt, inp, lab, f in ((cpu, opt_cpu, x, labels, cpu), (dev, opt_dev, x.to(DEVICE),
+                                                                           labels.to(DEVICE), compiled)):
+            opt.zero_grad()
+            loss = F.cross_entropy(f(inp), lab)
+            loss.backward()
+            opt.step()
+            if model is cpu:
+                expected = loss.item()
+            else:
+                assert loss.item() == pytest.approx(expected, abs=1e-5)
+    for (name, p), q in zip(dev.named_parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    # The model's graph returns rows (the loss is outside it): it keeps its rows apart and runs at buckets.
+    assert _compile._bucket_calls[0] > bucketed
+
+
+def test_two_batch_symbols_pad_only_when_equal():
+    """Two inputs whose batch sizes are separate symbols: equal sizes run at the bucket, different sizes run
+    exactly (the masks then keep every row); each reduction is masked by its own input's rows."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    lin_cpu = nn.Linear(6, 6)
+    lin = nn.Linear(6, 6).to(DEVICE)
+    lin.load_state_dict(lin_cpu.state_dict())
+
+    def f(lin, x, z):
+        return lin(x).tanh().sum() + lin(z).sigmoid().mean()
+
+    compiled = torch.compile(lambda x, z: f(lin, x, z), backend="tpu", dynamic=True)
+    for n, m in [(3, 5), (5, 5), (6, 2), (6, 6), (3, 3)]:
+        x, z = torch.randn(n, 6), torch.randn(m, 6)
+        lin.zero_grad()
+        lin_cpu.zero_grad()
+        bucketed = _compile._bucket_calls[0]
+        out = compiled(x.to(DEVICE), z.to(DEVICE))
+        out.backward()
+        expected = f(lin_cpu, x, z)
+        expected.backward()
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin.weight.grad.cpu(), lin_cpu.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin.bias.grad.cpu(), lin_cpu.bias.grad, atol=1e-5, rtol=1e-5)
+        padded = _compile._bucket_calls[0] > bucketed
+        assert padded == (n == m and n not in (1, 2, 4, 8)), (n, m, padded)
+
+
+class Mixers(nn.Module):
+    """Training graphs the mask cannot make exact: each keeps its exact sizes."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6) if kind == "batch norm in training" else None
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.kind == "batch norm in training":
+            y = self.bn(y)
+        elif self.kind == "the batch size as a number":
+            y = y * y.shape[0]
+        elif self.kind == "a max over the batch":
+            y = y - y.amax(0)
+        elif self.kind == "a cumsum over the batch":
+            y = y.cumsum(0)
+        elif self.kind == "a no_grad section":
+            with torch.no_grad():
+                scale = y.abs().mean(1, keepdim=True)
+            y = y / (1 + scale)
+        elif self.kind == "a per-row loss":
+            return F.cross_entropy(y, torch.zeros(y.shape[0], dtype=torch.long, device=y.device),
+                                   reduction="none").sum()
+        return y.square().mean()
+
+
+KINDS = ["batch norm in training", "the batch size as a number", "a max over the batch", "a cumsum over the batch",
+         "a no_grad section", "a per-row loss"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_graphs_the_mask_cannot_fix_keep_exact_sizes(kind):
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    cpu = Mixers(kind)
+    dev = Mixers(kind).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    compiled = torch.compile(dev, backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n in (3, 5, 6):
+        x = torch.randn(n, 6)
+        dev.zero_grad()
+        cpu.zero_grad()
+        loss = compiled(x.to(DEVICE))
+        loss.backward()
+        expected = cpu(x)
+        expected.backward()
+        torch.testing.assert_close(loss.cpu(), expected, atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(dev.named_parameters(), cpu.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        if kind == "batch norm in training":
+            torch.testing.assert_close(dev.bn.running_mean.cpu(), cpu.bn.running_mean, atol=1e-5, rtol=1e-5)
+    assert _compile._bucket_calls[0] == bucketed, (kind, _compile.bucket_refusal())
+
+
+def test_buckets_off_runs_exact_sizes(monkeypatch):
+    """TORCH_PJRT_BATCH_BUCKETS=0 (read at import) turns training buckets off too."""
+    monkeypatch.setattr(_compile, "_BUCKETS", False)
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    dev = Net(7).to(DEVICE)
+    compiled = torch.compile(lambda x, y: losses(dev, x, y)[0], backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n in (3, 5):
+        compiled(torch.randn(n, 7, device=DEVICE), torch.randint(0, 5, (n,), device=DEVICE)).backward()
+    assert _compile._bucket_calls[0] == bucketed
