@@ -622,8 +622,6 @@ def _training_buckets(gm):
         return None  # no dynamic batch
     if not _global_state_free(gm):
         return _refuse("the graph switches grad mode or autocast, or has a higher-order op")
-    if any(torch.is_autocast_enabled(device) for device in ("cpu", BACKEND)):
-        return _refuse("autocast is on")  # the trace would hold its casts, and AOTAutograd would apply them again
     losses = get_decompositions([getattr(torch.ops.aten, name) for name in _LOSSES])
     with tensors[0].fake_mode, fx_traceback.preserve_node_meta():
         # The interpreter sets each Dynamo node's meta while its ops are traced: errors keep the user's line.
@@ -708,6 +706,26 @@ def _inference_compiler(gm, example_inputs):
     return _CompiledGraph(gm, batch_buckets=True)
 
 
+def _partition(joint_module, joint_inputs, **kwargs):
+    """AOTAutograd's default partition, with random ops in a checkpointed region saved, not recomputed.
+
+    Recomputing one in backward takes torch's RNG-state wrappers (rng_prims.run_and_save_rng_state), which
+    know only the CUDA, CPU, HPU and XPU generators. Saving its result gives backward the forward's draws,
+    as eager checkpointing does by restoring the RNG state; the cost is keeping that one tensor.
+    """
+    import operator
+    from torch._functorch.partitioners import default_partition, must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint_module.graph.nodes:
+        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            for user in node.users:  # native_dropout's (output, mask): the partitioner saves the items
+                if user.target is operator.getitem:
+                    user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return default_partition(joint_module, joint_inputs, **kwargs)
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend registered as 'tpu'."""
     from torch._dynamo.backends.common import aot_autograd
@@ -716,7 +734,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     # graph, so the parameter updates are part of its one program.
     aot = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
                        inference_compiler=_inference_compiler, decompositions=decompositions(),
-                       keep_inference_input_mutations=True)
+                       partition_fn=_partition, keep_inference_input_mutations=True)
     training = None
     try:
         training = _training_buckets(gm)
@@ -725,7 +743,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if training is not None:
         traced, buckets = training
         padding = torch.tensor(0, device=example_inputs[buckets.source].device)
-        compiled = _TrainingCall(aot(traced, list(example_inputs) + [padding], **kwargs), buckets)
+        # The trace holds the casts of an autocast region around the call: AOTAutograd must not cast again.
+        with torch.autocast("cpu", enabled=False), torch.autocast(BACKEND, enabled=False):
+            compiled = _TrainingCall(aot(traced, list(example_inputs) + [padding], **kwargs), buckets)
     else:
         compiled = aot(gm, example_inputs, **kwargs)
 

@@ -104,6 +104,53 @@ def test_replayed_dropout_continues_the_eager_stream(dropout_net):
     torch.testing.assert_close(streams[0], streams[1], atol=0, rtol=0)
 
 
+class CheckpointedDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 4)
+
+    def block(self, x):
+        return nn.functional.dropout(nn.functional.gelu(self.inp(x)), 0.3, training=True)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.out(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_checkpointed_dropout_compiles_and_matches_eager():
+    """Activation checkpointing around dropout under torch.compile: AOTAutograd would recompute the dropout in
+    backward through torch's RNG-state wrappers, which know no tpu generator (they raised); the backend saves
+    the forward's draws instead. After the same seed, outputs and gradients equal eager's on the device (the
+    recomputation in eager restores the RNG state, so it draws the forward's mask), calls replay, and each call
+    draws a new mask."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch_pjrt.mode("fused"):
+        net = CheckpointedDropout().to(DEVICE)
+        compiled = torch.compile(net, backend="tpu")
+        x = torch.randn(8, 16, device=DEVICE)
+        outputs = []
+        for step in range(3):
+            results = []
+            for f in (net, compiled):
+                torch.manual_seed(100 + step)
+                net.zero_grad()
+                out = f(x)
+                out.square().sum().backward()
+                results.append((out.detach().cpu(), [p.grad.cpu() for p in net.parameters()]))
+            (eager_out, eager_grads), (out, grads) = results
+            torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+            for g, e in zip(grads, eager_grads):
+                torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+            outputs.append(out)
+        assert not torch.equal(outputs[0], outputs[1])  # a new mask per seed
+        before = _replays()
+        compiled(x).sum().backward()
+        assert _replays() - before == 2  # forward and backward
+
+
 # ---- dynamic shapes -----------------------------------------------------------
 class MLP(nn.Module):
     def __init__(self, width=16):

@@ -216,3 +216,38 @@ def test_buckets_off_runs_exact_sizes(monkeypatch):
     for n in (3, 5):
         compiled(torch.randn(n, 7, device=DEVICE), torch.randint(0, 5, (n,), device=DEVICE)).backward()
     assert _compile._bucket_calls[0] == bucketed
+
+
+def test_autocast_training_at_buckets_matches_cpu_autocast():
+    """A bf16 autocast region around the compiled call: the trace holds autocast's casts (AOTAutograd does not
+    cast again), so outputs, losses and gradients have the CPU autocast's dtypes and values (bf16 tolerance)."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    width = 31
+    cpu = Net(width)
+    dev = Net(width).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+
+    def loss_of(model, x, labels):
+        out = model(x)
+        return F.cross_entropy(out, labels) + out.float().pow(2).mean(), out
+
+    compiled = torch.compile(lambda x, y: loss_of(dev, x, y), backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n in (3, 5, 6):
+        x, labels = torch.randn(n, width), torch.randint(0, 5, (n,))
+        dev.zero_grad()
+        cpu.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss, out = compiled(x.to(DEVICE), labels.to(DEVICE))
+        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, expected_out = loss_of(cpu, x, labels)
+        expected.backward()
+        assert out.dtype == expected_out.dtype == torch.bfloat16 and out.shape == expected_out.shape
+        torch.testing.assert_close(out.cpu(), expected_out, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(loss.cpu(), expected, atol=3e-2, rtol=3e-2)
+        for (name, p), q in zip(dev.named_parameters(), cpu.parameters()):
+            assert p.grad.dtype == q.grad.dtype
+            torch.testing.assert_close(p.grad.cpu(), q.grad, atol=3e-2, rtol=3e-2, msg=lambda m: f"{name}: {m}")
+    assert _compile._bucket_calls[0] - bucketed == 3
