@@ -14,9 +14,10 @@ Graph breaks run in the current mode (fused by default) between the compiled
 pieces. Dynamic shapes (dynamic=True, mark_dynamic): Dynamo keeps one graph
 whose size arguments are ints at run time; each distinct size records ops of
 that size and compiles one XLA program for it (cached in memory and on disk),
-and keeps its own replay plan, so a repeated size replays. An inference graph
-that keeps its batch rows apart runs each batch size padded to a power-of-two
-bucket instead (see "dynamic batch buckets" below); padding any other graph
+and keeps its own replay plan, so a repeated size replays. A graph that keeps
+its batch rows apart runs each batch size padded to a power-of-two bucket
+instead (see "dynamic batch buckets" below), a training graph with its loss's
+reductions over the batch masked to the real rows; padding any other graph
 would change its results (docs/design/compiled-mode.md).
 """
 from __future__ import annotations
@@ -194,9 +195,10 @@ def _has_unbacked_symbols(gm) -> bool:
 # row the result it would get alone. Such a graph with a dynamic batch size
 # runs at the next power of two: its inputs are padded with zero rows, its
 # outputs cut back to the real rows, so every batch size in a bucket replays
-# one program. Anything else, a graph that mixes rows (a mean over the batch,
-# training's weight gradients, BatchNorm in training), draws random numbers,
-# or mutates an input, runs at its exact size (docs/design/compiled-mode.md).
+# one program. Training graphs: see the next section. Anything else, a graph
+# that mixes rows (BatchNorm in training, a cumsum over the batch), draws
+# random numbers, or mutates an input, runs at its exact size
+# (docs/design/compiled-mode.md).
 
 _ROW_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "clone", "_to_copy", "alias", "detach", "contiguous",
               "lift_fresh_copy", "unsqueeze", "squeeze", "mm", "addmm", "bmm", "baddbmm", "embedding", "convolution",
