@@ -353,7 +353,10 @@ def _rows_kept(node, batch) -> bool:
     if name in ("mm", "addmm"):
         return not _carries(args[-1], batch)  # mat2 carries no batch
     if name == "embedding":
-        return not _carries(args[0], batch)  # the table
+        # The table carries no batch. scale_grad_by_freq divides the table's gradient by index counts,
+        # which padded rows would change.
+        return not _carries(args[0], batch) and not (len(args) > 3 and args[3]) and not node.kwargs.get(
+            "scale_grad_by_freq", False)
     if name == "convolution":
         return not _carries(args[1], batch)  # the weight
     if name in _ROW_VIEWS or name in _DIM_OPS:
@@ -532,9 +535,11 @@ def _batch_buckets(gm):
 
 _MASKABLE = {"sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "nll_loss_forward.default",
              "nll_loss2d_forward.default"}
-# Losses with their own ATen op, decomposed into pointwise ops and a sum or mean the mask can take.
-_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-           "binary_cross_entropy_with_logits", "soft_margin_loss")
+# Losses with their own ATen op, decomposed into pointwise ops and a sum or mean the mask can take. Only
+# those whose decomposition differentiates like the ATen op, infinities included: binary_cross_entropy's
+# takes log(p) (nan gradient at p = 1 where ATen's formula clamps), so it stays whole (exact sizes).
+_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits",
+           "soft_margin_loss")
 
 
 def _maskable(node, batch) -> bool:
@@ -571,20 +576,36 @@ def _masked_sum(rows_of, padding, x, *args, **kwargs):
 
 
 def _masked_mean(rows_of, padding, x, dim=None, keepdim=False, *, dtype=None):
-    # The sum over the real rows divided by their count: what the exact size's mean computes.
+    # The sum over the real rows divided by their count, rounded once: what the exact size's mean computes
+    # (a half-precision mean sums and divides in float32).
+    result = dtype or x.dtype
+    wide = torch.float32 if result in (torch.float16, torch.bfloat16) else result
     total = torch.ops.aten.sum.dim_IntList(torch.where(_row_mask(x, rows_of, padding), x, 0), dim or [], keepdim,
-                                           dtype=dtype)
+                                           dtype=wide)
     count = x.shape[0] - padding * (x.shape[0] // rows_of.shape[0])
     for d in sorted({d % x.dim() for d in dim} if dim else range(x.dim())):
         if d != 0:
             count = count * x.shape[d]
-    return total / count
+    return (total / count).to(result)
 
 
 def _masked_nll(name, rows_of, padding, x, labels, *args):
     ignore_index = args[-1]
     labels = torch.where(_row_mask(labels, rows_of, padding), labels, ignore_index)
     return getattr(torch.ops.aten, name).default(x, labels, *args)
+
+
+def _output_views_an_input(gm, batch) -> bool:
+    """An output that is a view (through any chain of views) of an input with the batch."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in output.args[0]:
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+                isinstance(node.target, torch._ops.OpOverload) and node.target._schema.returns and \
+                node.target._schema.returns[0].alias_info is not None and node.args:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and _carries(node, batch):
+            return True
+    return False
 
 
 def _global_state_free(gm) -> bool:
@@ -633,6 +654,9 @@ def _training_buckets(gm):
     batch = _batch_symbols(traced, masked)
     if batch is None:
         return None
+    if _output_views_an_input(traced, batch):
+        # The padded copy is what the compiled function sees: a view of it would not write through to the input.
+        return _refuse("an output is a view of a batch input")
     buckets = _BatchBuckets(traced, batch)
     graph = traced.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -251,3 +251,85 @@ def test_autocast_training_at_buckets_matches_cpu_autocast():
             assert p.grad.dtype == q.grad.dtype
             torch.testing.assert_close(p.grad.cpu(), q.grad, atol=3e-2, rtol=3e-2, msg=lambda m: f"{name}: {m}")
     assert _compile._bucket_calls[0] - bucketed == 3
+
+
+# ---- what a review found (each was a silent difference from the CPU) ---------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_mean_over_the_batch_rounds_once(dtype):
+    """A masked mean in half precision sums and divides in float32 and rounds once, as the CPU's mean does: a
+    half-precision sum of 30000s overflowed float16 (inf) and rounded bfloat16 twice."""
+    torch._dynamo.reset()
+    w_cpu = nn.Parameter(torch.ones(4, dtype=dtype))
+    w = nn.Parameter(torch.ones(4, dtype=dtype, device=DEVICE))
+    compiled = torch.compile(lambda x: (x * w).mean(), backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n in (3, 5, 4):
+        x = torch.full((n, 4), 30000.0, dtype=dtype)
+        out = compiled(x.to(DEVICE))
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.cpu(), (x * w_cpu).mean(), atol=0, rtol=0)
+    assert _compile._bucket_calls[0] - bucketed == 2  # 3 and 5 ran padded
+
+
+def test_saturated_binary_cross_entropy_keeps_finite_gradients():
+    """F.binary_cross_entropy on a sigmoid that is exactly 1.0: ATen's gradient formula clamps, a decomposed
+    log(p) would give nan. The op stays whole (exact sizes) and the gradients are the CPU's."""
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    cpu = nn.Linear(4, 1)
+    dev = nn.Linear(4, 1).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+
+    def loss_of(model, x, target):
+        return F.binary_cross_entropy(torch.sigmoid(model(x)).squeeze(1), target)
+
+    compiled = torch.compile(lambda x, t: loss_of(dev, x, t), backend="tpu", dynamic=True)
+    for n in (3, 5, 4):
+        x = torch.randn(n, 4)
+        x[0] = 30.0 * torch.sign(cpu.weight.detach()[0])  # a logit of about 60: sigmoid rounds to 1.0
+        target = torch.rand(n)
+        dev.zero_grad()
+        cpu.zero_grad()
+        loss = compiled(x.to(DEVICE), target.to(DEVICE))
+        loss.backward()
+        expected = loss_of(cpu, x, target)
+        expected.backward()
+        torch.testing.assert_close(loss.cpu(), expected, atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(cpu.weight.grad).all()
+        torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_scaled_by_frequency_keeps_exact_sizes():
+    """scale_grad_by_freq divides the table's gradient by index counts, which padded copies of the last row
+    would raise: such a graph runs at exact sizes and its gradient is the CPU's."""
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    cpu = nn.Embedding(16, 3, scale_grad_by_freq=True)
+    dev = nn.Embedding(16, 3, scale_grad_by_freq=True).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    compiled = torch.compile(lambda ids: dev(ids).sum(), backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n in (3, 5, 7):
+        ids = torch.arange(n)
+        dev.zero_grad()
+        cpu.zero_grad()
+        compiled(ids.to(DEVICE)).backward()
+        cpu(ids).sum().backward()
+        torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=0, rtol=0)
+    assert _compile._bucket_calls[0] == bucketed
+
+
+def test_returned_view_of_an_input_still_aliases_it():
+    """A training graph that returns a view of its input: the view must write through to the input (a view of
+    a padded copy would not), so such a graph runs at exact sizes."""
+    torch._dynamo.reset()
+    lin = nn.Linear(4, 2).to(DEVICE)
+    compiled = torch.compile(lambda x: (lin(x).sum(), x.view(-1, 2), x[:, :2]), backend="tpu", dynamic=True)
+    for n in (3, 5):
+        x = torch.randn(n, 4, device=DEVICE)
+        loss, view, part = compiled(x)
+        loss.backward()
+        view.zero_()
+        assert x.abs().sum().item() == 0.0
+        part.fill_(2.0)
+        assert torch.equal(x[:, :2].cpu(), torch.full((n, 2), 2.0))
