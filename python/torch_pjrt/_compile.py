@@ -207,9 +207,9 @@ _ROW_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "clone", "_to_copy", 
               "new_full", "full_like", "zeros_like", "ones_like", "empty_like", "empty_strided", "permute",
               "transpose", "constant_pad_nd", "native_layer_norm"}
 # ops working along a dim argument, which must not be the batch dim: (its position, its default; None: every dim)
-_DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "_safe_softmax": (1, None), "sum": (1, None), "mean": (1, None),
-            "amax": (1, None), "amin": (1, None), "prod": (1, None), "var": (1, None), "std": (1, None),
-            "var_mean": (1, None), "argmax": (1, None), "argmin": (1, None), "any": (1, None), "all": (1, None),
+_DIM_OPS = {"_softmax": (1, None), "_log_softmax": (1, None), "_safe_softmax": (1, None), "sum": (1, None),
+            "mean": (1, None), "amax": (1, None), "amin": (1, None), "prod": (1, None), "var": (1, None),
+            "std": (1, None), "var_mean": (1, None), "argmax": (1, None), "argmin": (1, None), "any": (1, None), "all": (1, None),
             "logsumexp": (1, None), "cumsum": (1, None), "max": (1, None), "min": (1, None), "slice": (1, 0),
             "select": (1, None), "split": (2, 0), "split_with_sizes": (2, 0), "chunk": (2, 0), "unbind": (1, 0),
             "cat": (1, 0), "stack": (1, 0), "topk": (2, -1), "sort": (1, -1), "flip": (1, None)}
@@ -248,15 +248,15 @@ def _batch_symbols(gm, masked=None):
     """The batch: the size symbols every tensor carries only as a factor of dim 0, if the graph keeps its
     rows apart; else None.
 
-    Every input's dim 0 that is a bare batch counts as the batch (a graph may get a tensor's rows and its
+    Every input's dim 0 that is a bare size symbol counts as the batch (a graph may get a tensor's rows and its
     labels' rows as two symbols); a call runs at a bucket only when they all have one value. With a list for
     `masked`, a reduction over the batch that a row mask can restrict to the real rows (_maskable) is allowed
     too and appended to it (training graphs, rewritten by _training_buckets).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    batch = frozenset(_symbol_of(n.meta["val"].shape[0]) for n in placeholders
-                       if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
-                       and _symbol_of(n.meta["val"].shape[0]) is not None and _symbol_of(n.meta["val"].shape[0]).is_Symbol)
+    dims0 = [_symbol_of(n.meta["val"].shape[0]) for n in placeholders
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    batch = frozenset(expr for expr in dims0 if expr is not None and expr.is_Symbol)
     if not batch:
         return _refuse("no input has a dynamic size in dim 0")
     for n in gm.graph.nodes:
@@ -299,7 +299,7 @@ def bucket_refusal() -> str:
 
 
 def _batch_dims_ok(val, batch) -> bool:
-    """A batch batch appears only in dim 0, as a factor of it."""
+    """A batch symbol appears only in dim 0, as a factor of it."""
     vals = val if isinstance(val, (tuple, list)) else [val]
     for v in vals:
         if not isinstance(v, torch.Tensor):
