@@ -322,8 +322,14 @@ def _rows_kept(node, batch) -> bool:
         # arithmetic on sizes (sym_size, operator.mul): fine unless a tensor op uses the result wrongly,
         # which the shape check of that op catches
         return not isinstance(node.meta.get("val"), torch.Tensor)
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+    if torch.Tag.nondeterministic_seeded in target.tags:
         return False
+    if target._schema.is_mutable:
+        # An in-place pointwise op on an intermediate (label smoothing's masked_fill_) keeps rows apart; on an
+        # input, or a view of one, it would write the padded copy. (AOTAutograd's graphs have none.)
+        base = _view_base(node.args[0]) if node.args else None
+        if not _pointwise(target) or not isinstance(base, torch.fx.Node) or base.op != "call_function":
+            return False
     name = target._schema.name.split("::")[-1]
     if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
         if name == "_local_scalar_dense":  # .item() of a tensor without the batch (a module's float attribute)
@@ -344,8 +350,8 @@ def _rows_kept(node, batch) -> bool:
     if not any(_carries(a, batch) for a in list(args) + list(node.kwargs.values())) and \
             not _carries(node.meta.get("val"), batch):
         return True  # the op never sees the batch (a weight's transpose)
-    if torch.Tag.pointwise in target.tags:
-        if name in _INT_DIVISIONS:
+    if _pointwise(target):
+        if name.rstrip("_") in _INT_DIVISIONS:
             inputs = [a.meta.get("val") for a in args if isinstance(a, torch.fx.Node)]
             if any(isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() for v in inputs):
                 return False
@@ -359,10 +365,36 @@ def _rows_kept(node, batch) -> bool:
             "scale_grad_by_freq", False)
     if name == "convolution":
         return not _carries(args[1], batch)  # the weight
+    if name == "index":
+        return not _carries(args[0], batch)  # rows of a batch-free table picked per row (weights[labels])
+    if name in ("nll_loss_forward", "nll_loss2d_forward"):
+        # reduction='none': a loss per row (with class weights that carry no batch); the others reduce the batch
+        reduction = args[3] if len(args) > 3 else node.kwargs.get("reduction", 1)
+        return reduction == 0 and not _carries(args[2] if len(args) > 2 else node.kwargs.get("weight"), batch)
     if name in _ROW_VIEWS or name in _DIM_OPS:
         dims = _dims_of(node, name)
         return dims is not None and 0 not in dims
     return False
+
+
+def _pointwise(target) -> bool:
+    """PyTorch's pointwise tag, which in-place overloads lack (masked_fill_): then their functional twin's."""
+    if torch.Tag.pointwise in target.tags:
+        return True
+    if torch.Tag.inplace not in target.tags:
+        return False
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1].rstrip("_"), None)
+    functional = getattr(packet, target._overloadname, None) if packet is not None else None
+    return functional is not None and torch.Tag.pointwise in functional.tags
+
+
+def _view_base(node):
+    """The node whose storage a node shares, through views and in-place ops (their results alias self)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+            isinstance(node.target, torch._ops.OpOverload) and node.target._schema.returns and \
+            node.target._schema.returns[0].alias_info is not None and node.args:
+        node = node.args[0]
+    return node
 
 
 def _whole_slice(args) -> bool:
@@ -599,11 +631,8 @@ def _output_views_an_input(gm, batch) -> bool:
     """An output that is a view (through any chain of views) of an input with the batch."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in output.args[0]:
-        while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
-                isinstance(node.target, torch._ops.OpOverload) and node.target._schema.returns and \
-                node.target._schema.returns[0].alias_info is not None and node.args:
-            node = node.args[0]
-        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and _carries(node, batch):
+        base = _view_base(node)
+        if isinstance(base, torch.fx.Node) and base.op == "placeholder" and _carries(base, batch):
             return True
     return False
 
@@ -648,7 +677,10 @@ def _training_buckets(gm):
     losses = get_decompositions([getattr(torch.ops.aten, name) for name in _LOSSES])
     with tensors[0].fake_mode, fx_traceback.preserve_node_meta():
         # The interpreter sets each Dynamo node's meta while its ops are traced: errors keep the user's line.
-        traced = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=losses)(*fake)
+        # Functionalized: in-place ops on intermediates (label smoothing's masked_fill_) become pure ones; an
+        # input's mutation stays a copy_, which the check refuses.
+        run = torch.func.functionalize(torch.fx.Interpreter(gm).run, remove="mutations")
+        traced = make_fx(run, decomposition_table=losses)(*fake)
     traced.graph.eliminate_dead_code()
     masked = []
     batch = _batch_symbols(traced, masked)
