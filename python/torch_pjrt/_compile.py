@@ -470,6 +470,10 @@ class _BatchBuckets:
     def __init__(self, gm, batch):
         self.batch = batch  # the batch's size symbols
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        fake = next((n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+        self.shape_env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
+        self.guards = None  # the shape guards on the batch, read at the first call (when Dynamo has them all)
+        self.guards_hold = {}  # (bucket, sizes) -> whether they all hold at the bucket
         self.symbols = {}  # bare size symbol -> int argument index
         self.dims = []     # (tensor argument index, dim, bare size symbol): the sizes the tensors give
         self.padded = {}   # tensor argument index -> dim 0 / batch (a sympy expression in other sizes)
@@ -512,6 +516,27 @@ class _BatchBuckets:
         except (TypeError, ValueError):
             return batch, values, None
 
+    def holds_at(self, bucket, values) -> bool:
+        """Whether every shape guard that mentions the batch holds with the batch at the bucket: a graph traced
+        under a relation such as batch * length == 15 must not see the padded batch."""
+        if self.guards is None:
+            env = self.shape_env
+            self.guards = None if env is None else [g.expr for g in env.guards if not g.expr.free_symbols.isdisjoint(
+                self.batch)]
+        if self.guards is None:
+            return False
+        key = (bucket, tuple(sorted((str(s), v) for s, v in values.items())))
+        held = self.guards_hold.get(key)
+        if held is None:
+            at_bucket = dict(values)
+            at_bucket.update({s: bucket for s in self.batch})
+            try:
+                held = all(bool(g.subs(at_bucket)) for g in self.guards)
+            except TypeError:  # a symbol without a value: not decidable
+                held = False
+            self.guards_hold[key] = held
+        return held
+
     def at_bucket(self, args, batch, rows, bucket, pad):
         """The arguments with every batch argument padded to the bucket by pad(tensor, extra rows)."""
         padded = list(args)
@@ -527,7 +552,7 @@ class _BatchBuckets:
         size."""
         batch, values, rows = self.sizes(args)
         bucket = _bucket(batch)
-        if rows is None or bucket == batch:
+        if rows is None or bucket == batch or not self.holds_at(bucket, values):
             return None
         zeros = lambda t, extra: torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, extra])
         return self.at_bucket(args, batch, rows, bucket, zeros), batch, values
@@ -677,10 +702,8 @@ def _training_buckets(gm):
     losses = get_decompositions([getattr(torch.ops.aten, name) for name in _LOSSES])
     with tensors[0].fake_mode, fx_traceback.preserve_node_meta():
         # The interpreter sets each Dynamo node's meta while its ops are traced: errors keep the user's line.
-        # Functionalized: in-place ops on intermediates (label smoothing's masked_fill_) become pure ones; an
-        # input's mutation stays a copy_, which the check refuses.
-        run = torch.func.functionalize(torch.fx.Interpreter(gm).run, remove="mutations")
-        traced = make_fx(run, decomposition_table=losses)(*fake)
+        # Not functionalized: torch.func.functionalize would specialize the sizes (it adds Eq guards).
+        traced = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=losses)(*fake)
     traced.graph.eliminate_dead_code()
     masked = []
     batch = _batch_symbols(traced, masked)
@@ -728,6 +751,8 @@ class _TrainingCall:
         b = self.buckets
         batch, values, rows = b.sizes(args)
         bucket = _bucket(batch) if batch > 0 and rows is not None else batch
+        if bucket != batch and not b.holds_at(bucket, values):
+            bucket = batch
         if bucket != batch:
             # Copies of the last row, outside autograd: no gradient reaches them (the masks give them none).
             repeat = lambda t, extra: torch.cat([t, t[-1:].detach().expand(extra, *t.shape[1:])])

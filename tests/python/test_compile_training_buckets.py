@@ -432,3 +432,66 @@ def test_in_place_op_on_an_input_keeps_exact_sizes():
         torch.testing.assert_close(loss.cpu(), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(xd.cpu(), x)
     assert _compile._bucket_calls[0] == bucketed
+
+
+def test_batch_and_length_vary_in_one_graph():
+    """Batch and sequence length both dynamic, the loss over the flattened rows: one Dynamo graph for every
+    shape (the trace must not specialize a size), each non-power-of-two batch padded, values the CPU's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(11)
+    cpu = nn.Linear(4, 5)
+    dev = nn.Linear(4, 5).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+
+    def f(model, x, labels):
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, 5), labels.reshape(-1)) + out.mean((0, 1)).sum(), out
+
+    compiled = torch.compile(lambda x, y: f(dev, x, y), backend="tpu", dynamic=True)
+    bucketed = _compile._bucket_calls[0]
+    for n, length in ((3, 2), (5, 3), (6, 4), (7, 2), (4, 3)):
+        x, labels = torch.randn(n, length, 4), torch.randint(0, 5, (n, length))
+        dev.zero_grad()
+        cpu.zero_grad()
+        loss, out = compiled(x.to(DEVICE), labels.to(DEVICE))
+        (loss + out.sum()).backward()
+        expected, expected_out = f(cpu, x, labels)
+        (expected + expected_out.sum()).backward()
+        torch.testing.assert_close(loss.cpu(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.cpu(), expected_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _compile._bucket_calls[0] - bucketed == 4
+
+
+def test_a_guard_on_the_batch_keeps_a_size_whose_bucket_breaks_it_exact():
+    """A branch on the batch size guards the graph (batch <= 5): a batch of 5 would run at 8, outside the
+    guard, so it runs exactly; 3 (bucket 4) runs padded. Values are the CPU's either way."""
+    torch._dynamo.reset()
+    torch.manual_seed(12)
+    cpu = nn.Linear(4, 3)
+    dev = nn.Linear(4, 3).to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+
+    def f(model, x):
+        out = model(x)
+        if x.shape[0] > 5:
+            out = out * 2
+        return out.square().mean()
+
+    compiled = torch.compile(lambda x: f(dev, x), backend="tpu", dynamic=True)
+    for n, padded in ((3, True), (5, False), (7, True)):
+        x = torch.randn(n, 4)
+        dev.zero_grad()
+        cpu.zero_grad()
+        bucketed = _compile._bucket_calls[0]
+        loss = compiled(x.to(DEVICE))
+        loss.backward()
+        expected = f(cpu, x)
+        expected.backward()
+        torch.testing.assert_close(loss.cpu(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=1e-5, rtol=1e-5)
+        assert (_compile._bucket_calls[0] > bucketed) == padded, n
