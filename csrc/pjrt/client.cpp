@@ -96,15 +96,6 @@ CompileOptions Client::replicated_options(CompileOptions options, const std::vec
   return options;
 }
 
-// The CPU plugin (xla-cpu-pjrt 0.0.1) corrupts its heap when two threads
-// compile at once (seen as malloc aborts inside PJRT_Client_Compile, about one
-// run in 50 of four threads issuing collectives over shared devices), so its
-// compiles and deserializations take turns. Other plugins compile concurrently.
-std::unique_lock<std::mutex> Client::compile_turn() const {
-  static std::mutex turn;
-  return platform_name_ == "cpu" ? std::unique_lock<std::mutex>(turn) : std::unique_lock<std::mutex>();
-}
-
 ExecutablePtr Client::compile(const std::string& text, const CompileOptions& options, size_t device_index) const {
   PJRT_Device* dev = device(device_index);
   CompileOptions opts = options;
@@ -122,10 +113,7 @@ ExecutablePtr Client::compile(const std::string& text, const CompileOptions& opt
   args.program = &program;
   args.compile_options = serialized.data();
   args.compile_options_size = serialized.size();
-  {
-    auto turn = compile_turn();
-    plugin_->check(plugin_->api()->PJRT_Client_Compile(&args), "compiling StableHLO");
-  }
+  plugin_->check(plugin_->api()->PJRT_Client_Compile(&args), "compiling StableHLO");
   return std::make_shared<LoadedExecutable>(plugin_, dev, args.executable);
 }
 
@@ -134,10 +122,7 @@ ExecutablePtr Client::deserialize(const std::string& bytes, size_t device_index)
   args.client = client_;
   args.serialized_executable = bytes.data();
   args.serialized_executable_size = bytes.size();
-  {
-    auto turn = compile_turn();
-    plugin_->check(plugin_->api()->PJRT_Executable_DeserializeAndLoad(&args), "PJRT_Executable_DeserializeAndLoad");
-  }
+  plugin_->check(plugin_->api()->PJRT_Executable_DeserializeAndLoad(&args), "PJRT_Executable_DeserializeAndLoad");
   return std::make_shared<LoadedExecutable>(plugin_, device(device_index), args.loaded_executable);
 }
 

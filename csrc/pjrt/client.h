@@ -2,7 +2,6 @@
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <variant>
 #include <vector>
@@ -61,8 +60,6 @@ class Client {
   PJRT_Client_BufferFromHostBuffer_Args start_upload(const void* data, ElementType type,
                                                      const std::vector<int64_t>& dims, size_t device_index,
                                                      PJRT_HostBufferSemantics semantics) const;
-  std::unique_lock<std::mutex> compile_turn() const;  // held around the plugin's compiles (see client.cpp)
-
   std::shared_ptr<Plugin> plugin_;
   PJRT_Client* client_;
   std::vector<PJRT_Device*> devices_;
