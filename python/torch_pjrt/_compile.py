@@ -525,7 +525,7 @@ class _BatchBuckets:
                 self.batch)]
         if self.guards is None:
             return False
-        key = (bucket, tuple(sorted((str(s), v) for s, v in values.items())))
+        key = (bucket, tuple(values.values()))  # sizes() fills values in one order on every call
         held = self.guards_hold.get(key)
         if held is None:
             at_bucket = dict(values)
@@ -547,12 +547,20 @@ class _BatchBuckets:
                 padded[self.symbols[s]] = bucket
         return padded
 
-    def pad(self, args):
-        """(the arguments at the bucket with zero rows, the real batch, the sizes), or None to run at the exact
-        size."""
+    def plan(self, args):
+        """(the real batch, the sizes, the rows per padded argument, the size to run at): the bucket, or the
+        batch itself when the call must run exactly (sizes() refused, or a guard on the batch fails there)."""
         batch, values, rows = self.sizes(args)
         bucket = _bucket(batch)
         if rows is None or bucket == batch or not self.holds_at(bucket, values):
+            bucket = batch
+        return batch, values, rows, bucket
+
+    def pad(self, args):
+        """(the arguments at the bucket with zero rows, the real batch, the sizes), or None to run at the exact
+        size."""
+        batch, values, rows, bucket = self.plan(args)
+        if bucket == batch:
             return None
         zeros = lambda t, extra: torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, extra])
         return self.at_bucket(args, batch, rows, bucket, zeros), batch, values
@@ -620,12 +628,16 @@ def _maskable(node, batch) -> bool:
     return True
 
 
-def _row_mask(x, rows_of, padding):
-    """True on the rows of x that hold the real batch. Dim 0 of x is a multiple of the batch (dim 0 of
+def _real_rows(x, rows_of, padding):
+    """How many leading rows of x hold the real batch. Dim 0 of x is a multiple of the batch (dim 0 of
     rows_of), and the last `padding` rows of each multiple are padding."""
-    rows = x.shape[0]
-    keep = torch.arange(rows, device=x.device) < rows - padding * (rows // rows_of.shape[0])
-    return keep.view([rows] + [1] * (x.dim() - 1))
+    return x.shape[0] - padding * (x.shape[0] // rows_of.shape[0])
+
+
+def _row_mask(x, rows_of, padding):
+    """True on the rows of x that hold the real batch."""
+    keep = torch.arange(x.shape[0], device=x.device) < _real_rows(x, rows_of, padding)
+    return keep.view([x.shape[0]] + [1] * (x.dim() - 1))
 
 
 def _masked_sum(rows_of, padding, x, *args, **kwargs):
@@ -637,9 +649,8 @@ def _masked_mean(rows_of, padding, x, dim=None, keepdim=False, *, dtype=None):
     # (a half-precision mean sums and divides in float32).
     result = dtype or x.dtype
     wide = torch.float32 if result in (torch.float16, torch.bfloat16) else result
-    total = torch.ops.aten.sum.dim_IntList(torch.where(_row_mask(x, rows_of, padding), x, 0), dim or [], keepdim,
-                                           dtype=wide)
-    count = x.shape[0] - padding * (x.shape[0] // rows_of.shape[0])
+    total = _masked_sum(rows_of, padding, x, dim or [], keepdim, dtype=wide)
+    count = _real_rows(x, rows_of, padding)
     for d in sorted({d % x.dim() for d in dim} if dim else range(x.dim())):
         if d != 0:
             count = count * x.shape[d]
@@ -749,10 +760,9 @@ class _TrainingCall:
 
     def __call__(self, *args):
         b = self.buckets
-        batch, values, rows = b.sizes(args)
-        bucket = _bucket(batch) if batch > 0 and rows is not None else batch
-        if bucket != batch and not b.holds_at(bucket, values):
-            bucket = batch
+        batch, values, rows, bucket = b.plan(args)
+        if batch == 0:
+            bucket = batch  # an empty batch has no last row to copy: it runs exactly
         if bucket != batch:
             # Copies of the last row, outside autograd: no gradient reaches them (the masks give them none).
             repeat = lambda t, extra: torch.cat([t, t[-1:].detach().expand(extra, *t.shape[1:])])
