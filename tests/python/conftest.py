@@ -25,6 +25,14 @@ def to_dev(x):
     return x
 
 
+def cpu_and_device(make):
+    """make() on the CPU, and a second make() moved to the device and given the first one's state."""
+    cpu = make()
+    dev = make().to(DEVICE)
+    dev.load_state_dict(cpu.state_dict())
+    return cpu, dev
+
+
 def tolerance(dtype):
     return {
         torch.float16: dict(atol=1e-2, rtol=1e-2),

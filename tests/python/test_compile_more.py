@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import torch_pjrt
+from conftest import cpu_and_device
 
 DEVICE = "tpu"
 
@@ -255,9 +256,7 @@ def test_graphs_that_mix_rows_keep_exact_batch_sizes(kind):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cpu = RowMixers(kind)
-    dev = RowMixers(kind).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: RowMixers(kind))
     compiled = torch.compile(dev, backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     with torch_pjrt.mode("fused"), torch.no_grad():

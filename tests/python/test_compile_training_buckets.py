@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_pjrt
+from conftest import cpu_and_device
 from torch_pjrt import _compile
 
 DEVICE = "tpu"
@@ -53,9 +54,7 @@ def test_training_graph_runs_at_its_bucket():
     torch._dynamo.reset()
     torch.manual_seed(0)
     width = 23  # programs no other test compiled
-    cpu = Net(width)
-    dev = Net(width).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: Net(width))
     compiled = torch.compile(lambda x, y: losses(dev, x, y), backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     seen, buckets = set(), set()
@@ -93,9 +92,7 @@ def test_training_at_buckets_with_an_optimizer_matches_cpu():
     torch._dynamo.reset()
     torch.manual_seed(1)
     width = 29
-    cpu = Net(width)
-    dev = Net(width).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: Net(width))
     compiled = torch.compile(dev, backend="tpu", dynamic=True)
     opt_cpu = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
     opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-2)
@@ -123,9 +120,7 @@ def test_two_batch_symbols_pad_only_when_equal():
     exactly (the masks then keep every row); each reduction is masked by its own input's rows."""
     torch._dynamo.reset()
     torch.manual_seed(2)
-    lin_cpu = nn.Linear(6, 6)
-    lin = nn.Linear(6, 6).to(DEVICE)
-    lin.load_state_dict(lin_cpu.state_dict())
+    lin_cpu, lin = cpu_and_device(lambda: nn.Linear(6, 6))
 
     def f(lin, x, z):
         return lin(x).tanh().sum() + lin(z).sigmoid().mean()
@@ -181,9 +176,7 @@ KINDS = ["batch norm in training", "the batch size as a number", "a max over the
 def test_training_graphs_the_mask_cannot_fix_keep_exact_sizes(kind):
     torch._dynamo.reset()
     torch.manual_seed(3)
-    cpu = Mixers(kind)
-    dev = Mixers(kind).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: Mixers(kind))
     compiled = torch.compile(dev, backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     for n in (3, 5, 6):
@@ -221,9 +214,7 @@ def test_autocast_training_at_buckets_matches_cpu_autocast():
     torch._dynamo.reset()
     torch.manual_seed(5)
     width = 31
-    cpu = Net(width)
-    dev = Net(width).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: Net(width))
 
     def loss_of(model, x, labels):
         out = model(x)
@@ -273,9 +264,7 @@ def test_saturated_binary_cross_entropy_keeps_finite_gradients():
     log(p) would give nan. The op stays whole (exact sizes) and the gradients are the CPU's."""
     torch._dynamo.reset()
     torch.manual_seed(6)
-    cpu = nn.Linear(4, 1)
-    dev = nn.Linear(4, 1).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Linear(4, 1))
 
     def loss_of(model, x, target):
         return F.binary_cross_entropy(torch.sigmoid(model(x)).squeeze(1), target)
@@ -301,9 +290,7 @@ def test_embedding_scaled_by_frequency_keeps_exact_sizes():
     would raise: such a graph runs at exact sizes and its gradient is the CPU's."""
     torch._dynamo.reset()
     torch.manual_seed(7)
-    cpu = nn.Embedding(16, 3, scale_grad_by_freq=True)
-    dev = nn.Embedding(16, 3, scale_grad_by_freq=True).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Embedding(16, 3, scale_grad_by_freq=True))
     compiled = torch.compile(lambda ids: dev(ids).sum(), backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     for n in (3, 5, 7):
@@ -349,9 +336,7 @@ def test_hf_causal_lm_training_at_buckets(family):
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                                           max_position_embeddings=32)
         model_class = transformers.LlamaForCausalLM
-    cpu = model_class(config)
-    dev = model_class(config).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: model_class(config))
     compiled = torch.compile(dev, backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     for n in (3, 5, 6):
@@ -388,9 +373,7 @@ def _loss_kind(kind, model, x, labels):
 def test_more_losses_run_at_buckets(kind):
     torch._dynamo.reset()
     torch.manual_seed(9)
-    cpu = nn.Linear(8, 5)
-    dev = nn.Linear(8, 5).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Linear(8, 5))
     compiled = torch.compile(lambda x, y: _loss_kind(kind, dev, x, y), backend="tpu", dynamic=True)
     bucketed = _compile._bucket_calls[0]
     for n in (3, 5, 6):
@@ -413,9 +396,7 @@ def test_in_place_op_on_an_input_keeps_exact_sizes():
     the CPU."""
     torch._dynamo.reset()
     torch.manual_seed(10)
-    cpu = nn.Linear(4, 2)
-    dev = nn.Linear(4, 2).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Linear(4, 2))
 
     def step(model, x):
         x.mul_(2)
@@ -442,9 +423,7 @@ def test_batch_and_length_vary_in_one_graph():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(11)
-    cpu = nn.Linear(4, 5)
-    dev = nn.Linear(4, 5).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Linear(4, 5))
 
     def f(model, x, labels):
         out = model(x)
@@ -472,9 +451,7 @@ def test_a_guard_on_the_batch_keeps_a_size_whose_bucket_breaks_it_exact():
     guard, so it runs exactly; 3 (bucket 4) runs padded. Values are the CPU's either way."""
     torch._dynamo.reset()
     torch.manual_seed(12)
-    cpu = nn.Linear(4, 3)
-    dev = nn.Linear(4, 3).to(DEVICE)
-    dev.load_state_dict(cpu.state_dict())
+    cpu, dev = cpu_and_device(lambda: nn.Linear(4, 3))
 
     def f(model, x):
         out = model(x)
