@@ -50,6 +50,11 @@ std::string& configured_platform() {
   static std::string platform;
   return platform;
 }
+// Why the device cannot start (a bad TORCH_PJRT_PLUGIN or TORCH_PJRT_MODE at import): said on first use.
+std::string& unavailable_reason() {
+  static std::string reason;
+  return reason;
+}
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* value = std::getenv(name);
@@ -81,7 +86,8 @@ Runtime& runtime() {
   static std::string error;
   std::call_once(once, [] {
     try {
-      TORCH_CHECK(!configured_path().empty(), "no PJRT plugin configured: import torch_pjrt first");
+      TORCH_CHECK(!configured_path().empty(), unavailable_reason().empty() ? "no PJRT plugin configured: import torch_pjrt first"
+                                                                          : unavailable_reason());
       rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), client_options(configured_platform()));
       std::unique_ptr<graph::DiskCache> disk;
       if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR"); dir && *dir) {
@@ -96,6 +102,8 @@ Runtime& runtime() {
       rt.cache = std::make_unique<graph::CompileCache>(rt.client, std::move(disk),
                                                       graph::CompileCache::limits_from_env());
       g_started = true;
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -625,6 +633,11 @@ void configure_plugin(const std::string& path, const std::string& platform) {
               "the tpu runtime already started with plugin ", configured_path());
   configured_path() = path;
   configured_platform() = platform;
+}
+void configure_unavailable(const std::string& reason) {
+  TORCH_CHECK(!runtime_started(), "the tpu runtime already started with plugin ", configured_path());
+  configured_path().clear();
+  unavailable_reason() = reason;
 }
 const std::string& plugin_path() { return configured_path(); }
 pjrt::Client& client() {

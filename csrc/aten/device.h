@@ -88,6 +88,8 @@ void set_mode(Mode mode);
 // `platform` ("cpu", "cuda", "tpu" or "" when unknown) picks the client's
 // create options.
 void configure_plugin(const std::string& path, const std::string& platform);
+// No device: every use raises `reason` (the import found a bad setting; import itself must not raise).
+void configure_unavailable(const std::string& reason);
 const std::string& plugin_path();
 pjrt::Client& client();
 graph::CompileCache& compile_cache();

@@ -1282,9 +1282,11 @@ void check_written_on_device(const c10::FunctionSchema& schema, const torch::jit
 }
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   check_written_on_device(op.schema(), *stack);
-  note_cpu_fallback(op_name(op.schema()), why);
   flush_pending();
   at::native::cpu_fallback(op, stack);
+  // Counted once it ran: when the CPU kernel raises (a shape error the meta
+  // kernel saw first), that is the user's error, not an op running on the CPU.
+  note_cpu_fallback(op_name(op.schema()), why);
 }
 
 // `copy_` of a view onto the very same view (`x[i] += 1` assigns x[i] back

@@ -45,6 +45,7 @@ PYBIND11_MODULE(_C, m) {
   install_interpreter_exit_guard();
   m.def("_begin_interpreter_exit", &begin_interpreter_exit);
   m.def("_configure_plugin", &configure_plugin);
+  m.def("_configure_unavailable", &configure_unavailable);
   register_dist_backend_bindings(m);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
   m.def("_note_cpu_fallback", &note_cpu_fallback);

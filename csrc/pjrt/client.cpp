@@ -1,4 +1,5 @@
 #include "pjrt/client.h"
+#include "pjrt/quiet_logs.h"
 
 #include "pjrt/error.h"
 
@@ -31,7 +32,12 @@ std::shared_ptr<Client> Client::create(std::shared_ptr<Plugin> plugin, const std
   auto args = PJRT_ARGS(PJRT_Client_Create_Args);
   args.create_options = options.data();
   args.num_options = options.size();
-  plugin->check(plugin->api()->PJRT_Client_Create(&args), "PJRT_Client_Create");
+  PJRT_Error* error;
+  {
+    QuietPluginLogs quiet;  // the CPU plugin logs its device count at INFO here
+    error = plugin->api()->PJRT_Client_Create(&args);
+  }
+  plugin->check(error, "PJRT_Client_Create");
   return std::shared_ptr<Client>(new Client(std::move(plugin), args.client));
 }
 

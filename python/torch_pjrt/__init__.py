@@ -8,6 +8,8 @@ path to a PJRT plugin .so. The execution mode by TORCH_PJRT_MODE.
 """
 from __future__ import annotations
 
+from ._version import __version__
+
 
 def _autoload() -> None:
     """The `torch.backends` entry point: `import torch` imports this package, which registers `tpu`.
@@ -22,6 +24,7 @@ import atexit
 import contextlib
 import os
 import threading
+import warnings
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -40,10 +43,34 @@ __all__ = ["DeviceLoader", "jax_op", "set_mode", "get_mode", "mode", "sync", "op
 MODES = ("debug", "strict", "fused", "lazy")
 
 
-def _register() -> None:
+# Why the tpu device cannot be used in this process (a bad TORCH_PJRT_PLUGIN or
+# TORCH_PJRT_MODE), None when it can. Import never raises for these: PyTorch
+# imports this package at every `import torch` (the torch.backends entry point),
+# and a bad setting must not break torch itself.
+unavailable_reason: str | None = None
+
+
+def _make_unavailable(reason: str) -> None:
+    global unavailable_reason
+    unavailable_reason = reason
+    _C._configure_unavailable(reason)
+    warnings.warn(f"torch_pjrt: the tpu device is unavailable: {reason}. `python -m torch_pjrt` diagnoses the set-up.",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _configure_plugin() -> None:
     plugin = os.environ.get("TORCH_PJRT_PLUGIN", "cpu")
+    try:
+        path = find_plugin(plugin)
+    except (OSError, ValueError, RuntimeError) as e:
+        _make_unavailable(str(e) if "TORCH_PJRT_PLUGIN" in str(e) else f"TORCH_PJRT_PLUGIN={plugin!r}: {e}")
+        return
     prepare_environment(platform_of(plugin))
-    _C._configure_plugin(find_plugin(plugin), platform_of(plugin))
+    _C._configure_plugin(path, platform_of(plugin))
+
+
+def _register() -> None:
+    _configure_plugin()
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
@@ -115,8 +142,11 @@ def mode(name: str):
         set_mode(previous)
 
 
-if "TORCH_PJRT_MODE" in os.environ:
-    set_mode(os.environ["TORCH_PJRT_MODE"])
+if os.environ.get("TORCH_PJRT_MODE") and unavailable_reason is None:
+    try:
+        set_mode(os.environ["TORCH_PJRT_MODE"])
+    except ValueError as e:  # a typo must not run the user's job in another mode
+        _make_unavailable(f"TORCH_PJRT_MODE={os.environ['TORCH_PJRT_MODE']!r}: {e}")
 
 
 def sync() -> None:

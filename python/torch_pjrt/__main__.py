@@ -28,12 +28,17 @@ def diagnosis() -> list[tuple[str, str]]:
     from torch_pjrt import _C
 
     facts = [("torch_pjrt", os.path.dirname(torch_pjrt.__file__)),
+             ("torch_pjrt version", torch_pjrt.__version__),
              ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
              ("python", sys.version.split()[0]),
-             ("plugin", _C._plugin_path())]
+             ("plugin", _C._plugin_path() or "none"),
+             ("plugin variable", f"TORCH_PJRT_PLUGIN={os.environ.get('TORCH_PJRT_PLUGIN', 'cpu (default)')}")]
+    if torch_pjrt.unavailable_reason:
+        facts.append(("unavailable", torch_pjrt.unavailable_reason))
     try:
         info = torch_pjrt.platform()
         facts += [("platform", f"{info['name']} {info['version']}"),
+                  ("plugin version", info["version"]),
                   ("device kind", info["device_kind"]),
                   ("PJRT C API version", info["api_version"]),
                   ("devices", f"{torch.tpu.device_count()} ({', '.join(f'tpu:{i}' for i in range(torch.tpu.device_count()))})")]

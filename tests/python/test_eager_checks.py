@@ -215,3 +215,16 @@ def test_quantized_tensor_to_tpu_raises():
     q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
     with pytest.raises((RuntimeError, NotImplementedError)):
         q.to(DEVICE)
+
+
+def test_a_shape_error_is_the_users_error_not_a_cpu_fallback():
+    import warnings
+
+    before = dict(torch_pjrt.metrics()["cpu_fallbacks"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for fn in (lambda d: torch.randn(3, 4, device=d) @ torch.randn(5, 6, device=d),
+                   lambda d: torch.mm(torch.randn(2, 3, device=d), torch.randn(2, 3, device=d))):
+            assert_same_outcome(fn)
+    assert torch_pjrt.metrics()["cpu_fallbacks"] == before
+    assert not [w for w in caught if "runs on the CPU" in str(w.message)]

@@ -206,3 +206,57 @@ def test_transformers_device_agnostic_helpers_work_on_tpu():
                  "memory_reserved", "max_memory_reserved", "reset_max_memory_allocated", "is_bf16_supported"):
         assert callable(getattr(torch.tpu, name)), name
     assert torch.tpu.is_available() and torch.tpu.current_device() == 0
+
+
+# ---- A bad setting never breaks `import torch`: it warns, `tpu` is unavailable, the diagnosis says why.
+
+BAD_SETTING_PROBE = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch
+import sys
+print("loaded", "torch_pjrt" in sys.modules)
+print("warned", any("tpu device is unavailable" in str(w.message) for w in caught))
+print("available", torch.tpu.is_available())
+try:
+    torch.ones(2, device="tpu")
+except RuntimeError as e:
+    print("raises", str(e).splitlines()[0])
+"""
+
+
+@in_one_pass
+@pytest.mark.parametrize("setting", [{"TORCH_PJRT_PLUGIN": "no-such-platform"},
+                                     {"TORCH_PJRT_PLUGIN": "/no/such/plugin.so"},
+                                     {"TORCH_PJRT_MODE": "fusd"}])
+def test_a_bad_setting_warns_at_import_torch_and_leaves_tpu_unavailable(tmp_path, setting):
+    site = tmp_path / "site"
+    write_distribution(str(site))
+    (name, value), = setting.items()
+    out = run_python(BAD_SETTING_PROBE, cwd=tmp_path, pythonpath=[str(site), PYTHON_DIR], **setting)
+    assert "loaded True" in out and "warned True" in out and "available False" in out, out
+    raised = re.search(r"^raises (.*)$", out, re.M).group(1)
+    assert f"{name}={value!r}" in raised, raised  # the error names the setting
+    out = run_python(["-m", "torch_pjrt"], cwd=tmp_path, pythonpath=[PYTHON_DIR], **setting)
+    fields = diagnosis_fields(out)
+    assert f"{name}={value!r}" in fields["unavailable"]
+    assert fields["torch_pjrt version"] == torch_pjrt.__version__
+
+
+@in_one_pass
+def test_import_and_first_use_print_no_plugin_log_lines(tmp_path):
+    code = "import torch, torch_pjrt; print((torch.ones(3, device='tpu') * 2).sum().item())"
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=dict(environ, PYTHONPATH=PYTHON_DIR))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "6.0"
+    assert "absl" not in proc.stderr and not re.search(r"^I\d{4} ", proc.stderr, re.M), proc.stderr
+
+
+def test_version_is_the_package_metadata_version():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "version" in project["project"]["dynamic"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", torch_pjrt.__version__)

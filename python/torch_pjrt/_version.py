@@ -1,0 +1,1 @@
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it
