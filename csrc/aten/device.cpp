@@ -281,7 +281,7 @@ struct TpuEvent {
       try {
         w->done->wait();
       } catch (const pjrt::Error& e) {
-        TORCH_CHECK(false, "a tpu program before this event failed: ", e.what());
+        raise_device_error(c10::str("a tpu program before this event failed: ", e.what()));
       }
     }
   }
@@ -527,7 +527,7 @@ void wait_host_transfers() {
     try {
       done->wait();
     } catch (const pjrt::Error& e) {
-      TORCH_CHECK(false, "a non_blocking copy to the tpu device failed: ", e.what());
+      raise_device_error(c10::str("a non_blocking copy to the tpu device failed: ", e.what()));
     }
   }
 }
@@ -650,6 +650,11 @@ graph::CompileCache& compile_cache() {
 }
 
 bool in_bad_fork() { return g_bad_fork; }
+
+void raise_device_error(const std::string& message) {
+  TORCH_CHECK_WITH(OutOfMemoryError, !pjrt::is_out_of_memory(message), message);
+  TORCH_CHECK(false, message);
+}
 
 void check_not_forked() {
   TORCH_CHECK(!g_bad_fork,

@@ -107,6 +107,9 @@ int device_count();
 int current_device();
 void set_current_device(int index);
 void check_device_index(int64_t index);
+// Raises a failure of the device as PyTorch does: out of memory as
+// torch.OutOfMemoryError (what accelerate's batch-size finder catches), the rest as RuntimeError.
+[[noreturn]] void raise_device_error(const std::string& message);
 
 // Resizes a storage (its buffer stays; bytes past it read as zeros), counted in the memory statistics.
 void set_storage_bytes(const c10::Storage& storage, size_t nbytes);

@@ -2258,7 +2258,7 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   try {
     if (run_lowered(op, stack, &why)) return;
   } catch (const pjrt::Error& e) {
-    TORCH_CHECK(false, op_name(op.schema()), " failed on the tpu device: ", e.what());
+    raise_device_error(c10::str(op_name(op.schema()), " failed on the tpu device: ", e.what()));
   }
   cpu_fallback(op, stack, why);
 }
@@ -2292,7 +2292,7 @@ at::Tensor to_host(const at::Tensor& t) {
   try {
     buffer->to_host(whole.mutable_data_ptr());
   } catch (const pjrt::Error& e) {
-    TORCH_CHECK(false, "reading a tpu tensor failed: ", e.what());
+    raise_device_error(c10::str("reading a tpu tensor failed: ", e.what()));
   }
   if (!whole.is_same(out)) out.view(-1).copy_(whole.narrow(0, 0, t.numel()));
   metrics().device_to_host_bytes += static_cast<int64_t>(out.nbytes());
@@ -2325,7 +2325,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   try {
     ok = run_lowered(copy, &stack, &why);
   } catch (const pjrt::Error& e) {
-    TORCH_CHECK(false, "copy to the tpu device failed: ", e.what());
+    raise_device_error(c10::str("copy to the tpu device failed: ", e.what()));
   }
   TORCH_CHECK(ok, "copy to the tpu device is not supported: ", why);
 }
@@ -2338,7 +2338,7 @@ void synchronize(int device) {
   try {
     for (auto& work : pending) work->done->wait();
   } catch (const pjrt::Error& e) {
-    TORCH_CHECK(false, "a tpu program on tpu:", device, " failed: ", e.what());
+    raise_device_error(c10::str("a tpu program on tpu:", device, " failed: ", e.what()));
   }
   raise_failed_checks(device);
 }

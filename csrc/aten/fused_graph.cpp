@@ -559,7 +559,7 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   }
   clear_graph(g);
   finish_run(g, nullptr, message);
-  TORCH_CHECK(false, message);
+  raise_device_error(message);
 }
 
 // The operands a program consumed (donated), to the background thread that destroys their handles.

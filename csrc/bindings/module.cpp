@@ -70,6 +70,19 @@ PYBIND11_MODULE(_C, m) {
                     py::arg("api_version") = std::to_string(c.plugin()->api_major()) + "." +
                                              std::to_string(c.plugin()->api_minor()));
   });
+  // The plugin's memory statistics of a device; None where it reports none (the CPU plugin).
+  m.def("_device_memory_stats", [](int device) -> py::object {
+    check_device_index(device);
+    auto stats = client().memory_stats(static_cast<size_t>(device));
+    if (!stats) return py::none();
+    return py::dict(py::arg("bytes_in_use") = stats->bytes_in_use, py::arg("peak_bytes_in_use") = stats->peak_bytes_in_use,
+                    py::arg("bytes_limit") = stats->bytes_limit);
+  });
+  m.def("_check_device_index", &check_device_index);
+  m.def("_device_kind", [](int device) {
+    check_device_index(device);
+    return client().device_kind(static_cast<size_t>(device));
+  });
   m.def("_set_mode", [](const std::string& name) {
     static const std::map<std::string, Mode> modes{
         {"debug", Mode::Debug}, {"strict", Mode::Strict}, {"fused", Mode::Fused}, {"lazy", Mode::Lazy}};

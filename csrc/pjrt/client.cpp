@@ -3,6 +3,8 @@
 
 #include "pjrt/error.h"
 
+#include <cstddef>
+
 namespace torch_pjrt::pjrt {
 
 std::shared_ptr<Client> Client::create(std::shared_ptr<Plugin> plugin, const std::vector<CreateOption>& given) {
@@ -165,6 +167,25 @@ std::pair<BufferPtr, std::unique_ptr<Event>> Client::buffer_from_host_async(cons
   std::unique_ptr<Event> done;
   if (args.done_with_host_buffer) done = std::make_unique<Event>(plugin_, args.done_with_host_buffer);
   return {std::move(buffer), std::move(done)};
+}
+
+std::optional<MemoryStats> Client::memory_stats(size_t index) const {
+  const PJRT_Api* api = plugin_->api();
+  // An optional entry: older plugins' PJRT_Api ends before it, others leave it null or answer UNIMPLEMENTED.
+  if (api->struct_size <= offsetof(PJRT_Api, PJRT_Device_MemoryStats) || !api->PJRT_Device_MemoryStats)
+    return std::nullopt;
+  auto args = PJRT_ARGS(PJRT_Device_MemoryStats_Args);
+  args.device = device(index);
+  try {
+    plugin_->check(api->PJRT_Device_MemoryStats(&args), "PJRT_Device_MemoryStats");
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  MemoryStats stats;
+  stats.bytes_in_use = args.bytes_in_use;
+  if (args.peak_bytes_in_use_is_set) stats.peak_bytes_in_use = args.peak_bytes_in_use;
+  if (args.bytes_limit_is_set) stats.bytes_limit = args.bytes_limit;
+  return stats;
 }
 
 }  // namespace torch_pjrt::pjrt

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -15,6 +16,13 @@ namespace torch_pjrt::pjrt {
 
 // One PJRT_Client_Create option. Plugins reject names they do not know, so
 // which options a client gets depends on the plugin (see aten/device.cpp).
+// What a plugin says of a device's memory (PJRT_Device_MemoryStats); -1: not said.
+struct MemoryStats {
+  int64_t bytes_in_use = 0;
+  int64_t peak_bytes_in_use = -1;
+  int64_t bytes_limit = -1;
+};
+
 struct CreateOption {
   std::string name;
   std::variant<int64_t, bool, float, std::string> value;
@@ -35,6 +43,8 @@ class Client {
   std::string device_kind(size_t index) const;
   // The plugin's global id of device `index` (what a device assignment lists).
   int64_t device_id(size_t index) const;
+  // Empty when the plugin does not report memory statistics (the CPU plugin).
+  std::optional<MemoryStats> memory_stats(size_t index) const;
 
   // A program with options.num_replicas > 1 runs on the devices its
   // options.device_assignment names (see compile_replicated); `device_index` is

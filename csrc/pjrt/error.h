@@ -28,6 +28,13 @@ template <typename... Parts>
   throw Error(os.str());
 }
 
+// Plugin::check writes a PJRT error's code into its message as "(PJRT error
+// code N)"; RESOURCE_EXHAUSTED (8) is running out of device memory. Messages
+// travel further as text (a fused graph's error names the user's lines).
+inline bool is_out_of_memory(const std::string& message) {
+  return message.find("(PJRT error code 8)") != std::string::npos;
+}
+
 }  // namespace torch_pjrt::pjrt
 
 // PJRT_CHECK(cond, "message parts", ...): TORCH_CHECK-style guard without torch.

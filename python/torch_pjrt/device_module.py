@@ -7,6 +7,7 @@ device's single queue and an Event records a point on it.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -81,7 +82,7 @@ def synchronize(device=None) -> None:
 
 def get_device_name(device=None) -> str:
     info = _C._platform()
-    return f"{info['device_kind']} ({info['name']})"
+    return f"{_C._device_kind(_index(device))} ({info['name']})"
 
 
 def get_amp_supported_dtype():
@@ -177,6 +178,111 @@ def memory_stats(device=None) -> dict:
     stats["allocated_bytes.all.current"] = _C._memory_allocated(i)
     stats["allocated_bytes.all.peak"] = _C._max_memory_allocated(i)
     return stats
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory: the CPU plugin's device memory."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, total
+    except (OSError, KeyError, ValueError):
+        return total, total
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the device, as torch.cuda.mem_get_info: from the
+    plugin's memory statistics, or the host's memory where the device's memory
+    is host memory (the CPU plugin reports none)."""
+    _lazy_init()
+    stats = _C._device_memory_stats(_index(device))
+    if stats is None or stats["bytes_limit"] < 0:
+        return _host_memory()
+    return max(stats["bytes_limit"] - stats["bytes_in_use"], 0), stats["bytes_limit"]
+
+
+class _DeviceProperties:
+    """What torch.cuda.get_device_properties gives that code reads: name,
+    total_memory, major/minor and the multiprocessor count (TorchTitan's memory
+    monitor, accelerate's and transformers' device checks)."""
+
+    def __init__(self, index: int):
+        kind = _C._device_kind(index)
+        platform = _C._platform()["name"]
+        self.name = kind
+        self.type = "tpu"
+        self.platform = platform
+        self.total_memory = mem_get_info(index)[1]
+        self.major, self.minor = _capability(kind, platform, index)
+        self.multi_processor_count = 1  # PJRT does not say; one program runs on one device
+        self.is_integrated = platform == "cpu"
+
+    def __repr__(self) -> str:
+        return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', major={self.major}, "
+                f"minor={self.minor}, total_memory={self.total_memory // (1 << 20)}MB)")
+
+
+def _capability(kind: str, platform: str, index: int) -> tuple[int, int]:
+    """TPU: the generation in the device kind ("TPU v5 lite" -> (5, 0)); GPU: CUDA's compute
+    capability of the same device where torch.cuda can say; the CPU plugin: (0, 0)."""
+    import re
+
+    if platform == "tpu":
+        m = re.search(r"v(\d+)", kind)
+        return (int(m.group(1)), 0) if m else (0, 0)
+    if platform == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(index)
+    return 0, 0
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    _lazy_init()
+    i = _index(device)
+    _C._check_device_index(i)
+    return _DeviceProperties(i)
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    props = get_device_properties(device)
+    return props.major, props.minor
+
+
+def utilization(device=None) -> int:
+    """Percent of time a program ran over the last sample period, where the
+    plugin's platform can say (the CUDA plugin, through NVML as torch.cuda does)."""
+    _lazy_init()
+    if _C._platform()["name"] == "cuda" and torch.cuda.is_available():
+        return torch.cuda.utilization(_index(device))
+    raise RuntimeError(f"the {_C._platform()['name']} PJRT plugin does not report device utilization")
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A readable summary of the device's memory, as torch.cuda.memory_summary."""
+    i = _index(device)
+    mib = lambda n: f"{n / (1 << 20):,.1f} MiB"  # noqa: E731
+    stats = memory_stats(i)
+    free, total = mem_get_info(i)
+    rows = [("allocated (live tpu storages)", mib(stats["allocated_bytes.all.current"])),
+            ("peak allocated", mib(stats["allocated_bytes.all.peak"])),
+            ("allocations", str(stats.get("allocation.all.current", "?"))),
+            ("device free / total", f"{mib(free)} / {mib(total)}")]
+    plugin = _C._device_memory_stats(i)
+    if plugin is not None and not abbreviated:
+        rows.append(("plugin: bytes in use", mib(plugin["bytes_in_use"])))
+        if plugin["peak_bytes_in_use"] >= 0:
+            rows.append(("plugin: peak bytes in use", mib(plugin["peak_bytes_in_use"])))
+    width = max(len(name) for name, _ in rows)
+    title = f"tpu:{i} memory summary ({get_device_name(i)})"
+    return "\n".join([title, "=" * len(title)] + [f"{name.ljust(width)}  {value}" for name, value in rows])
+
+
+OutOfMemoryError = torch.OutOfMemoryError
+
+
+def init() -> None:
+    """Starts the device runtime now (it starts on first use otherwise), as torch.cuda.init."""
+    _lazy_init()
 
 
 def empty_cache() -> None:

@@ -158,6 +158,7 @@ RUNTIME_FAILURE = textwrap.dedent("""
         sys.exit(0)
     except RuntimeError as e:
         print("MESSAGE", str(e).replace("\\n", " "))
+        print("TYPE", type(e).__name__, isinstance(e, torch.tpu.OutOfMemoryError))
     after = [t.cpu() for t in list(model.parameters()) + list(opt.state[model.weight].values())]
     print("SAME", all(torch.equal(a, b) for a, b in zip(before, after)))
     print("DONATED", torch_pjrt.metrics()["donated_buffers"])
@@ -194,6 +195,7 @@ def test_out_of_memory_while_running_leaves_every_tensor_as_it_was():
     if "NO FAILURE" in out:
         pytest.skip("the plugin allocated the oversized output; no run-time failure to test")
     assert "Out of memory" in out, out
+    assert "TYPE OutOfMemoryError True" in out, out  # what accelerate's batch-size finder catches
     assert "SAME True" in out, out
     assert "DONATED 0" not in out, out  # donation stayed on for the steps that ran
     assert "GOES_ON True" in out, out

@@ -260,3 +260,23 @@ def test_version_is_the_package_metadata_version():
         project = tomllib.load(f)
     assert "version" in project["project"]["dynamic"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", torch_pjrt.__version__)
+
+
+def test_device_properties_and_memory_info_as_torch_cuda_gives_them():
+    props = torch.tpu.get_device_properties()
+    assert props.name == torch_pjrt._C._device_kind(0)
+    free, total = torch.tpu.mem_get_info()
+    assert props.total_memory == total and 0 < free <= total
+    if torch_pjrt.platform()["name"] == "cpu":  # the device's memory is the host's
+        assert total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert torch.tpu.get_device_capability() == (props.major, props.minor)
+    assert torch.get_device_module("tpu").get_device_properties("tpu:0").total_memory == total
+    with pytest.raises(RuntimeError, match="invalid tpu device index"):
+        torch.tpu.get_device_properties(torch.tpu.device_count())
+    x = torch.ones(1 << 20, device="tpu")
+    summary = torch.tpu.memory_summary()
+    assert f"{torch.tpu.memory_allocated() / (1 << 20):,.1f} MiB" in summary
+    del x
+    assert torch.tpu.OutOfMemoryError is torch.OutOfMemoryError
+    torch.tpu.init()
+    assert torch.tpu.is_initialized()
