@@ -8,7 +8,16 @@ import shutil
 import subprocess
 import sys
 
+import setuptools
 from setuptools import Extension, setup
+
+# --no-build-isolation builds with this environment's setuptools, and pip skips
+# pyproject's `requires` then: a new venv's setuptools (65.x) has no bdist_wheel
+# and fails with "invalid command 'bdist_wheel'". Say what to do instead.
+if tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit()) < (70, 1):
+    sys.exit(f"torch_pjrt: building needs setuptools>=70.1 (this environment has {setuptools.__version__}, "
+             "without bdist_wheel). Run: pip install 'setuptools>=70.1' cmake ninja xla-cpu-pjrt, "
+             "then pip install --no-build-isolation . again")
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

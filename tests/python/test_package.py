@@ -280,3 +280,31 @@ def test_device_properties_and_memory_info_as_torch_cuda_gives_them():
     assert torch.tpu.OutOfMemoryError is torch.OutOfMemoryError
     torch.tpu.init()
     assert torch.tpu.is_initialized()
+
+
+@in_one_pass
+def test_install_with_an_old_setuptools_says_what_to_do(tmp_path):
+    """A new venv's setuptools has no bdist_wheel; --no-build-isolation skips pyproject's requirement."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    version = subprocess.run([python, "-c", "import setuptools; print(setuptools.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    if not version or tuple(int(p) for p in version.split(".")[:2]) >= (70, 1):
+        pytest.skip(f"this Python's venv comes with setuptools {version or 'none'}")
+    proc = subprocess.run([python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", ROOT],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "needs setuptools>=70.1" in proc.stdout + proc.stderr and "invalid command" not in proc.stdout + proc.stderr
+
+
+def test_safetensors_loads_onto_tpu_by_device_index(tmp_path):
+    """safetensors knows a fixed list of device names ('tpu' is not one); an index
+    names the current accelerator, which is tpu (docs/design/package-and-profiling.md)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(3, 4), "ids": torch.arange(5)}
+    path = str(tmp_path / "x.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    loaded = safetensors_torch.load_file(path, device=torch.tpu.current_device())
+    for name, t in tensors.items():
+        assert loaded[name].device.type == "tpu" and torch.equal(loaded[name].cpu(), t)
