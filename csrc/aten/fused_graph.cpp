@@ -407,48 +407,95 @@ std::string layout_detail(const RecordedOp& rec) {
   return text;
 }
 
+// The sizes of an op's tpu tensor arguments, in argument order.
+std::vector<std::vector<int64_t>> tensor_sizes(const RecordedOp& rec) {
+  std::vector<std::vector<int64_t>> sizes;
+  for (const c10::IValue& v : rec.args) {
+    map_tensors(v, [&](const at::Tensor& t) {
+      if (t.defined() && t.device().type() == kTpu) sizes.push_back(t.sizes().vec());
+      return t;
+    });
+  }
+  return sizes;
+}
+
+// "; its input 0 has sizes [12, 4], before [8, 4] (batch size 8 -> 12)": the
+// first tensor whose sizes changed, and the one dimension that did when only one did.
+std::string changed_input(const std::vector<std::vector<int64_t>>& now,
+                          const std::vector<std::vector<int64_t>>& before) {
+  for (size_t i = 0; i < now.size() && i < before.size(); ++i) {
+    if (now[i] == before[i]) continue;
+    std::string text = "; its input " + std::to_string(i) + " has sizes " + c10::str(c10::IntArrayRef(now[i])) +
+                       ", before " + c10::str(c10::IntArrayRef(before[i]));
+    if (now[i].size() != before[i].size()) return text;
+    std::vector<size_t> dims;
+    for (size_t d = 0; d < now[i].size(); ++d)
+      if (now[i][d] != before[i][d]) dims.push_back(d);
+    if (dims.size() != 1) return text;
+    size_t d = dims[0];
+    std::string what = d == 0 ? "batch size" : "dim " + std::to_string(d);
+    return text + " (" + what + " " + std::to_string(before[i][d]) + " -> " + std::to_string(now[i][d]) + ")";
+  }
+  return "";
+}
+
 // Recompilation explainer: says how a graph that missed the cache differs
-// from the graph compiled before it.
+// from the graph compiled before it on the same device, and at which user line.
+struct SeenGraph {
+  std::vector<std::string> keys, descriptions, details;
+  std::vector<std::vector<std::vector<int64_t>>> sizes;
+};
+struct RecompileHistory {
+  SeenGraph last;
+  std::map<size_t, SeenGraph> by_length;
+};
+
+std::string recompile_reason(const PendingGraph& g, const SeenGraph& now, const SeenGraph& before) {
+  const std::vector<std::string>& keys = now.keys;
+  const std::vector<std::string>& last_keys = before.keys;
+  size_t k = 0;
+  while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
+  if (k < keys.size() && k < last_keys.size()) {
+    std::string reason = "op " + std::to_string(k) + " (" + graph::describe_source_location(g.ops[k].location) +
+                         ") is " + now.descriptions[k] + " where the previous graph had " + before.descriptions[k] +
+                         changed_input(now.sizes[k], before.sizes[k]);
+    if (now.descriptions[k] == before.descriptions[k] && now.details[k] != before.details[k])
+      reason += " (same shapes; its tensors: " + now.details[k] + ", before: " + before.details[k] + ")";
+    else if (now.descriptions[k] == before.descriptions[k])
+      reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
+    return reason;
+  }
+  if (keys.size() != last_keys.size()) {
+    std::string reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
+                         std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
+    if (k < keys.size()) reason += "; op " + std::to_string(k) + " at " + graph::describe_source_location(g.ops[k].location);
+    return reason;
+  }
+  return "same ops; a different set of results is still in use";
+}
+
 void explain_recompile(const PendingGraph& g) {
   // Compared with the last compiled graph of the same length when there is
   // one: loops alternate graphs (a decode step's forward, then its sampling).
-  struct Seen {
-    std::vector<std::string> keys, descriptions, details;
-  };
-  static Seen last;
-  static std::map<size_t, Seen> by_length;
-  Seen now;
+  static std::mutex mutex;
+  static std::map<int, RecompileHistory> histories;  // per device: two devices' graphs are not each other's history
+  SeenGraph now;
   for (const RecordedOp& rec : g.ops) {
     now.keys.push_back(rec.key);
     now.descriptions.push_back(describe(rec));
     now.details.push_back(layout_detail(rec));
+    now.sizes.push_back(tensor_sizes(rec));
   }
-  auto same_length = by_length.find(now.keys.size());
-  const Seen& before = same_length != by_length.end() ? same_length->second : last;
-  const std::vector<std::string>& keys = now.keys;
-  const std::vector<std::string>& last_keys = before.keys;
-  std::string reason;
-  if (!last_keys.empty()) {
-    size_t k = 0;
-    while (k < keys.size() && k < last_keys.size() && keys[k] == last_keys[k]) ++k;
-    if (k < keys.size() && k < last_keys.size()) {
-      reason = "op " + std::to_string(k) + " is " + now.descriptions[k] + " where the previous graph had " +
-               before.descriptions[k];
-      if (now.descriptions[k] == before.descriptions[k] && now.details[k] != before.details[k])
-        reason += " (same shapes; its tensors: " + now.details[k] + ", before: " + before.details[k] + ")";
-      else if (now.descriptions[k] == before.descriptions[k])
-        reason += " (same shapes: strides, aliasing, tensor flow or which Scalars are equal differ)";
-    } else if (keys.size() != last_keys.size()) {
-      reason = "the previous graph had " + std::to_string(last_keys.size()) + " ops, this one " +
-               std::to_string(keys.size()) + " (the first " + std::to_string(k) + " are the same)";
-    } else {
-      reason = "same ops; a different set of results is still in use";
-    }
-    graph::note_recompile_reason("graph of " + std::to_string(keys.size()) + " ops recompiled: " + reason);
-  }
-  if (by_length.size() > 256) by_length.clear();
-  by_length[now.keys.size()] = now;
-  last = std::move(now);
+  std::lock_guard<std::mutex> lock(mutex);
+  RecompileHistory& h = histories[g.device];
+  auto same_length = h.by_length.find(now.keys.size());
+  const SeenGraph& before = same_length != h.by_length.end() ? same_length->second : h.last;
+  if (!before.keys.empty())
+    graph::note_recompile_reason("graph of " + std::to_string(now.keys.size()) + " ops recompiled: " +
+                                 recompile_reason(g, now, before));
+  if (h.by_length.size() > 256) h.by_length.clear();
+  h.by_length[now.keys.size()] = now;
+  h.last = std::move(now);
 }
 
 // Profiler record of a graph: "torch_pjrt::execute(12 ops: aten::mm, ...)" and every op's signature.
