@@ -76,6 +76,22 @@ std::vector<pjrt::CreateOption> client_options(const std::string& platform) {
   return {};
 }
 
+}  // namespace
+
+// On by default, as a warm start is ~10x faster: TORCH_PJRT_CACHE_DIR, else
+// $XDG_CACHE_HOME/torch_pjrt, else ~/.cache/torch_pjrt. TORCH_PJRT_CACHE_DIR=""
+// (or 0 / off) keeps compiled programs in memory only.
+std::string compile_cache_dir() {
+  if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR")) {
+    std::string value = dir;
+    return value == "0" || value == "off" ? "" : value;
+  }
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/torch_pjrt";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/torch_pjrt";
+  return "";
+}
+
+namespace {
 // The runtime is never destroyed. Caches elsewhere hold buffers and
 // executables, and destroying the client at exit before them, or while the
 // plugin's threads run, makes PJRT calls on a dead client. The process exit
@@ -90,7 +106,7 @@ Runtime& runtime() {
                                                                           : unavailable_reason());
       rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), client_options(configured_platform()));
       std::unique_ptr<graph::DiskCache> disk;
-      if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR"); dir && *dir) {
+      if (std::string dir = compile_cache_dir(); !dir.empty()) {
         const char* limit = std::getenv("TORCH_PJRT_CACHE_MAX_BYTES");
         int64_t max_bytes = limit ? std::atoll(limit) : (int64_t{4} << 30);
         auto& c = *rt.client;

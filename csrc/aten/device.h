@@ -90,6 +90,8 @@ void set_mode(Mode mode);
 void configure_plugin(const std::string& path, const std::string& platform);
 // No device: every use raises `reason` (the import found a bad setting; import itself must not raise).
 void configure_unavailable(const std::string& reason);
+// The persistent compile cache's directory; empty: memory only.
+std::string compile_cache_dir();
 const std::string& plugin_path();
 pjrt::Client& client();
 graph::CompileCache& compile_cache();

@@ -46,6 +46,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_begin_interpreter_exit", &begin_interpreter_exit);
   m.def("_configure_plugin", &configure_plugin);
   m.def("_configure_unavailable", &configure_unavailable);
+  m.def("_compile_cache_dir", &compile_cache_dir);
   register_dist_backend_bindings(m);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
   m.def("_note_cpu_fallback", &note_cpu_fallback);

@@ -45,12 +45,12 @@ def diagnosis() -> list[tuple[str, str]]:
     except RuntimeError as e:
         facts.append(("device error", str(e).splitlines()[0]))
     facts.append(("mode", torch_pjrt.get_mode()))
-    cache = os.environ.get("TORCH_PJRT_CACHE_DIR")
+    cache = _C._compile_cache_dir()
     if cache:
         files, size = _directory_size(cache) if os.path.isdir(cache) else (0, 0)
         facts.append(("compile cache", f"{cache} ({files} files, {size} bytes)"))
     else:
-        facts.append(("compile cache", "memory only (set TORCH_PJRT_CACHE_DIR for a persistent one)"))
+        facts.append(("compile cache", "memory only (TORCH_PJRT_CACHE_DIR is empty: unset it for ~/.cache/torch_pjrt)"))
     from importlib.metadata import entry_points
 
     points = [f"{p.name} = {p.value}" for p in entry_points(group="torch.backends") if p.value.startswith("torch_pjrt")]

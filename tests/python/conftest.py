@@ -2,7 +2,14 @@ import os
 import warnings
 
 import pytest
-import torch
+
+# The persistent compile cache is on by default (~/.cache/torch_pjrt); tests
+# compile afresh so that they do not depend on what earlier runs left there.
+# Set before the runtime starts (on first device use), and inherited by the
+# subprocesses tests start; a test of the disk tier sets its own directory.
+os.environ.setdefault("TORCH_PJRT_CACHE_DIR", "")
+
+import torch  # noqa: E402
 
 import torch_pjrt
 

@@ -86,3 +86,22 @@ def test_unwritable_directory_does_not_break_the_program(tmp_path):
     blocker.write_text("not a directory")
     result = run(blocker / "cache")
     assert result["compiles"] > 0 and result["writes"] == 0
+
+
+def test_on_by_default_in_the_user_cache_directory(tmp_path):
+    """No TORCH_PJRT_CACHE_DIR: $XDG_CACHE_HOME/torch_pjrt (else ~/.cache/torch_pjrt); empty turns it off."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_PJRT_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run_default(**extra):
+        out = subprocess.run([sys.executable, "-c", SCRIPT], env=dict(env, **extra), capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold = run_default()
+    assert cold["compiles"] > 0 and cold["writes"] == cold["compiles"]
+    assert len(entries(tmp_path / "torch_pjrt")) == cold["compiles"]
+    warm = run_default()
+    assert warm["compiles"] == 0 and warm["hits"] == cold["compiles"] and warm["loss"] == cold["loss"]
+    off = run_default(TORCH_PJRT_CACHE_DIR="")
+    assert off["compiles"] == cold["compiles"] and off["hits"] == 0 and off["writes"] == 0
