@@ -148,8 +148,8 @@ class _CompiledGraph:
         try:
             if replayable:
                 _C._sync()  # the graph to capture holds this graph's ops alone
-            # forward(), not the module call: global module hooks (fused mode's
-            # end-of-inference cut, under backward's no_grad) must not cut the graph.
+            # forward(), not the module call: no module hook (fused mode's
+            # end-of-inference cut, under backward's no_grad) may cut the graph.
             outs = self.gm.forward(*args)
             sizes = split[1] if replayable else None
             if (replayable and self.captures.get(sizes, 0) < 3 and
