@@ -896,7 +896,7 @@ def _register_now() -> None:
 
     from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
-    _route_inductor_late()  # also discovers the entry points
+    _route_inductor_late()
     # An installed package declares `tpu` in Dynamo's entry-point group: the registry loads that entry point
     # itself (and would find this name taken if this import, which its load runs, registered it first).
     if BACKEND not in _COMPILER_FNS and not isinstance(_BACKENDS.get(BACKEND), EntryPoint):
@@ -958,14 +958,24 @@ def route_inductor() -> None:
 
 
 def _route_inductor_late() -> None:
-    """The entries that exist only once torch._dynamo's backends or torch._inductor are imported."""
+    """The entries that exist once torch._dynamo is imported: the registry's "inductor", registered when the
+    registry first imports its backends (wrapped then: importing them all costs seconds), and compile_fx when
+    torch._inductor.compile_fx is imported already (the registry's entry imports it at call time)."""
     import sys
 
-    from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+    from torch._dynamo.backends import registry
 
-    _lazy_import()  # registers "inductor" (and the entry-point names) in the registry
-    if "inductor" in _COMPILER_FNS:
-        _COMPILER_FNS["inductor"] = _routed(_COMPILER_FNS["inductor"])
+    lazy_import = registry._lazy_import
+    if not getattr(lazy_import, "_torch_pjrt_routed", False):
+        def _lazy_import():
+            lazy_import()
+            if "inductor" in registry._COMPILER_FNS:
+                registry._COMPILER_FNS["inductor"] = _routed(registry._COMPILER_FNS["inductor"])
+
+        _lazy_import._torch_pjrt_routed = True
+        registry._lazy_import = _lazy_import
+    if "inductor" in registry._COMPILER_FNS:  # imported already
+        registry._COMPILER_FNS["inductor"] = _routed(registry._COMPILER_FNS["inductor"])
     module = sys.modules.get("torch._inductor.compile_fx")
     if module is not None:
         module.compile_fx = _routed(module.compile_fx)
