@@ -936,7 +936,7 @@ def _routed(inductor_entry):
     @functools.wraps(inductor_entry)
     def entry(*args, **kwargs):
         # (self,) gm, example_inputs: the wrapper class's __call__ gets its instance first
-        rest = args[1:] if not isinstance(args[0], torch.fx.GraphModule) else args
+        rest = args[1:] if args and not isinstance(args[0], torch.fx.GraphModule) else args
         gm = rest[0] if rest else kwargs.get("model_")
         example_inputs = rest[1] if len(rest) > 1 else kwargs.get("inputs_", kwargs.get("example_inputs_", ()))
         if isinstance(gm, torch.fx.GraphModule) and _touches_device(gm, example_inputs):

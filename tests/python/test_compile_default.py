@@ -57,6 +57,29 @@ def test_default_compile_forward_and_backward_match_cpu(compile_kwargs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["strict", "lazy", "debug"])
+def test_default_compile_in_other_modes(mode):
+    # The compiled graph runs fused whatever the mode; the graph break's eager op runs in the caller's mode.
+    torch.manual_seed(0)
+    cpu, dev = cpu_and_device(_mlp)
+    x = torch.randn(5, 8)
+
+    def step(model, t):
+        h = model(t)
+        torch._dynamo.graph_break()
+        return (h.exp() * 2).sum()
+
+    torch._dynamo.reset()
+    want = torch.compile(step, backend="eager")(cpu, x)
+    want.backward()
+    with torch_pjrt.mode(mode):
+        got = torch.compile(step)(dev, x.to("tpu"))
+        got.backward()
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+        for a, b in zip(dev.parameters(), cpu.parameters()):
+            torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_factory_only_graph_on_tpu():
     # No tensor input: the graph's tpu tensor is one it makes.
     torch._dynamo.reset()
