@@ -248,6 +248,19 @@ def test_flex_attention_compiled_with_inductor_options():
     assert _compile._routed_graphs[0] > routed
 
 
+def test_compiled_create_block_mask_matches_cpu():
+    # TorchTitan compiles create_block_mask too.
+    torch._dynamo.reset()
+    want = create_block_mask(_mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=4)
+    got = torch.compile(create_block_mask)(_mask_mod, None, None, S, S, device="tpu", BLOCK_SIZE=4)
+    for a, b in zip(got.as_tuple(), want.as_tuple()):
+        if isinstance(b, torch.Tensor):
+            assert a.device.type == "tpu"
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
+        else:
+            assert a == b or callable(b)
+
+
 def test_flex_attention_compiled_inside_a_module():
     torch._dynamo.reset()
     compiled = torch.compile(flex_attention, options={"max_autotune": True})
