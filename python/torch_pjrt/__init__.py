@@ -200,7 +200,12 @@ register_optimizer_step_post_hook(_capture_check)  # the first step makes the st
 # Inference has no optimizer step: fused mode also cuts the graph when an
 # outermost module call returns with autograd off, so an evaluation loop is
 # one repeating graph per batch rather than arbitrary cuts at the op limit.
-_module_calls = threading.local()  # depth of nested module calls, per thread
+# The hooks that see it are the module's own, put on the module a `.to("tpu")`
+# (or any other `_apply`: `.tpu()`, `.to_empty()`, `.half()`) was called on
+# when it ends up holding tpu tensors: global module hooks would make every
+# `torch.compile(module)` in the process warn and send every module call, CPU
+# ones included, through nn.Module's slow hook path.
+_module_calls = threading.local()  # depth of nested calls of hooked modules, per thread
 
 
 def _module_enter(module, args) -> None:
@@ -220,8 +225,44 @@ def _module_exit(module, args, output) -> None:
         _C._sync()
 
 
-torch.nn.modules.module.register_module_forward_pre_hook(_module_enter)
-torch.nn.modules.module.register_module_forward_hook(_module_exit, always_call=True)
+def _holds_device_tensors(module) -> bool:
+    return any(t.device.type == "tpu" for t in module.parameters()) or \
+        any(t.device.type == "tpu" for t in module.buffers())
+
+
+def _update_cut_hooks(module) -> None:
+    """The end-of-inference cut on the calls of a module that holds tpu tensors, once (a deep copy keeps the
+    hooks it copied); off again when it moves elsewhere."""
+    hooked = _module_exit in module._forward_hooks.values()
+    if _holds_device_tensors(module):
+        if not hooked:
+            module.register_forward_pre_hook(_module_enter)
+            module.register_forward_hook(_module_exit, always_call=True)
+    elif hooked:
+        for hooks, fn in ((module._forward_pre_hooks, _module_enter), (module._forward_hooks, _module_exit)):
+            for key in [k for k, f in hooks.items() if f is fn]:
+                del hooks[key]
+                module._forward_hooks_always_called.pop(key, None)
+
+
+_applying = threading.local()  # depth of nested Module._apply calls: children are applied inside their parent's
+_module_apply = torch.nn.Module._apply
+
+
+def _apply(self, fn, *args, **kwargs):
+    depth = getattr(_applying, "depth", 0)
+    _applying.depth = depth + 1
+    try:
+        result = _module_apply(self, fn, *args, **kwargs)
+    finally:
+        _applying.depth = depth
+    if depth == 0 and isinstance(self, torch.nn.Module):
+        _update_cut_hooks(self)  # the outermost module moved: the one the user calls
+    return result
+
+
+_apply.__wrapped__ = _module_apply
+torch.nn.Module._apply = _apply
 
 
 def optimizer_step(optimizer, **kwargs):

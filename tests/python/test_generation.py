@@ -25,8 +25,8 @@ NEW_TOKENS = 8
 def generate(model, ids, cache):
     kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     if cache == "static":
-        # transformers would torch.compile a static-cache decode step on a "tpu" device (a dynamo backend
-        # of torch_tpu's); the eager path is what runs on torch_pjrt.
+        # transformers would torch.compile a static-cache decode step on a "tpu" device (with the backend
+        # named "tpu": ours); this file tests the eager path, test_compile_default.py the compiled one.
         kw.update(cache_implementation="static", disable_compile=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
