@@ -19,8 +19,8 @@ import sys
 import textwrap
 
 SETUP = {
-    "tpu": "host = torch.arange(N, dtype=torch.int32).to(torch.uint8); d = host.to('tpu'); torch.tpu.synchronize()",
-    "cpu": "d = torch.arange(N, dtype=torch.int32).to(torch.uint8)",
+    "tpu": "host = torch.arange(256, dtype=torch.uint8).repeat(N // 256); d = host.to('tpu'); torch.tpu.synchronize()",
+    "cpu": "d = torch.arange(256, dtype=torch.uint8).repeat(N // 256)",
 }
 OPS = {  # name: (setup needed, operation)
     "create on cpu": (False, "x = torch.ones(N, dtype=torch.uint8)"),
@@ -66,15 +66,23 @@ BIG_INDEX = textwrap.dedent(
     """
     import sys, torch, torch_pjrt
     N = int(sys.argv[1])
-    host = torch.arange(N, dtype=torch.int64).to(torch.uint8)
+    host = torch.arange(256, dtype=torch.uint8).repeat(N // 256)  # element i is i % 256
     d = host.to('tpu')
+    del host  # (the CPU's own uint8 sum would write an int64 copy: expected sums are computed instead)
+    def expected_sum(a, b):  # sum of i % 256 for a <= i < b
+        f = lambda n: (n // 256) * 32640 + (n % 256) * (n % 256 - 1) // 2
+        return f(b) - f(a)
     for i in (0, 2**31 - 1, 2**31, 2**31 + 12345, N - 1):
         if i < N:
-            assert d[i].item() == host[i].item(), i
+            assert d[i].item() == i % 256, i
     if N > 2**31 + 64:
-        assert torch.equal(d[2**31 + 3: 2**31 + 64].cpu(), host[2**31 + 3: 2**31 + 64])
-        assert d[2**31:].sum().item() == host[2**31:].sum().item()
-    assert d.sum().item() == host.sum().item()
+        want = (torch.arange(2**31 + 3, 2**31 + 64) % 256).to(torch.uint8)
+        assert torch.equal(d[2**31 + 3: 2**31 + 64].cpu(), want)
+        assert d[2**31 + 5:].sum().item() == expected_sum(2**31 + 5, N)
+        d[2**31 + 7] = 3
+        assert d[2**31 + 7].item() == 3 and d[2**31 + 6].item() == (2**31 + 6) % 256
+        d[2**31 + 7] = (2**31 + 7) % 256
+    assert d.sum().item() == expected_sum(0, N)
     print('big-index checks passed for', N, 'elements')
     """
 )

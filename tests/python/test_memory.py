@@ -23,7 +23,7 @@ _PROBE = textwrap.dedent(
             fields = dict(line.split(':', 1) for line in f)
         return int(fields['VmRSS'].split()[0]) * 1024, int(fields['VmHWM'].split()[0]) * 1024
     N = int(sys.argv[1])
-    host = torch.arange(N, dtype=torch.int32).to(torch.uint8)  # values 0..255, repeating
+    host = torch.arange(256, dtype=torch.uint8).repeat(N // 256)  # values 0..255, repeating
     d = host.to('tpu')
     torch.tpu.synchronize()
     gc.collect()
