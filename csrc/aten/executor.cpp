@@ -2263,13 +2263,18 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch:
   cpu_fallback(op, stack, why);
 }
 
-at::Tensor to_host(const at::Tensor& t) {
+namespace {
+// t's value on the host, read into `into` when that is a dense CPU tensor of t's sizes and dtype (a
+// `.cpu()` then holds one host copy, not a staging copy as well), else into a new tensor.
+at::Tensor read_to_host(const at::Tensor& t, const at::Tensor& into) {
   TORCH_CHECK(t.device().type() == kTpu, "to_host expects a tpu tensor");
   check_not_forked();
   const StorageState& st = storage_state(t.storage());
   pjrt::BufferPtr buffer = readable_buffer(st);  // our reference: other threads may install new ones
   raise_failed_checks(st.device);  // reading waits anyway: failed index/division checks surface here
-  at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU));
+  bool fits = into.defined() && into.is_cpu() && into.scalar_type() == t.scalar_type() && into.is_contiguous() &&
+              into.sizes().equals(t.sizes()) && !into.is_conj() && !into.is_neg();
+  at::Tensor out = fits ? into : at::empty(t.sizes(), t.options().device(at::kCPU));
   if (t.numel() == 0) return out;
   check_has_value(st);
   if (!buffer) return out.zero_();
@@ -2286,7 +2291,7 @@ at::Tensor to_host(const at::Tensor& t) {
     torch::jit::Stack stack{t, c10::MemoryFormat::Contiguous};  // row-major, whatever t's layout
     static const auto& clone = find_op("aten::clone", "");
     run_or_throw(clone, &stack);
-    return to_host(stack.back().toTensor());
+    return read_to_host(stack.back().toTensor(), out);
   }
   at::Tensor whole = buffer->element_count() == t.numel() ? out : at::empty({buffer->element_count()}, out.options());
   try {
@@ -2298,12 +2303,15 @@ at::Tensor to_host(const at::Tensor& t) {
   metrics().device_to_host_bytes += static_cast<int64_t>(out.nbytes());
   return out;
 }
+}  // namespace
+
+at::Tensor to_host(const at::Tensor& t) { return read_to_host(t, at::Tensor()); }
 
 void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   check_not_forked();
   if (dst.device().type() != kTpu) {
-    at::Tensor host = to_host(src);
-    dst.copy_(host);
+    at::Tensor host = read_to_host(src, dst);
+    if (!host.is_same(dst)) dst.copy_(host);
     return;
   }
   at::Tensor source = src;

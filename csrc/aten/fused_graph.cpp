@@ -780,6 +780,21 @@ void cut_pending() {
   }
 }
 
+// A loop with nothing read and no cut point (gradcheck's forward per perturbed element, with autograd on,
+// and its backward per output element) used to be cut only at the op limit, at a different op each time:
+// every graph was new and compiled for seconds. Cutting at a boundary once the graph is half the limit
+// makes each graph the same whole number of iterations, so the loop repeats a cached program.
+void cut_long_pending() {
+  check_not_forked();
+  if (mode() != Mode::Fused || !t_size_cuts) return;
+  for (DeviceContext* ctx : started_device_contexts()) {
+    PendingGraph& g = pending_graph(ctx->index);
+    std::lock_guard<std::recursive_mutex> lock(g.mutex);
+    if (!g.capturing && (2 * g.ops.size() >= graph_op_limit() || 2 * g.compile_cost >= graph_cost_limit()))
+      run_graph(g);
+  }
+}
+
 namespace {
 bool is_pending(const StorageState& st) {
   std::lock_guard<std::mutex> lock(storage_mutex());

@@ -37,6 +37,9 @@ std::string replay_refusal();
 // flush_pending() for the cut points (sync(), an optimizer step, the end of a
 // module's inference call): skips a device that is capturing a graph.
 void cut_pending();
+// cut_pending() for each graph at least half as long (ops or compile cost) as the fused-mode limits, at a
+// step boundary the caller saw (an outermost module call returned, a backward pass ended).
+void cut_long_pending();
 
 // Graph capture, torch.accelerator.Graph's semantics (fused_graph.cpp, "graph
 // capture"): the device's ops between begin and end are recorded, compiled

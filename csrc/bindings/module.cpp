@@ -107,6 +107,7 @@ PYBIND11_MODULE(_C, m) {
     return "strict";
   });
   m.def("_sync", [] { cut_pending(); }, release_gil());
+  m.def("_cut_long", [] { cut_long_pending(); }, release_gil());
   m.def("_register_graph_impl", &register_graph_impl);
   m.def("_fail_capture", &fail_capture, release_gil());
   // Whether `device` (-1: any device) is capturing a graph (torch.accelerator.Graph).

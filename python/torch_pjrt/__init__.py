@@ -22,6 +22,7 @@ def _autoload() -> None:
 
 import atexit
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -221,8 +222,8 @@ def _module_exit(module, args, output) -> None:
     _module_calls.depth = depth
     # A forked DataLoader worker that runs modules on the CPU must not touch
     # the graph it inherited from the parent.
-    if depth == 0 and not torch.is_grad_enabled() and _C._get_mode() == "fused" and not _C._is_in_bad_fork():
-        _C._sync()
+    if depth == 0 and _C._get_mode() == "fused" and not _C._is_in_bad_fork():
+        _C._cut_long() if torch.is_grad_enabled() else _C._sync()
 
 
 def _holds_device_tensors(module) -> bool:
@@ -263,6 +264,33 @@ def _apply(self, fn, *args, **kwargs):
 
 _apply.__wrapped__ = _module_apply
 torch.nn.Module._apply = _apply
+
+# Loops with nothing read and no cut point (gradcheck runs the model once per perturbed element with
+# autograd on, then one backward pass per output element) were cut only at the op limit, at a different
+# op each time, so no graph repeated. At an outermost module return with autograd on and at the end of a
+# backward pass, fused mode cuts a graph that is at least half the limit: graphs hold whole iterations.
+def _after_backward() -> None:
+    if torch.compiler.is_compiling() or _C._get_mode() != "fused" or _C._is_in_bad_fork():
+        return
+    _C._cut_long()
+
+
+def _wrap_engine_run_backward() -> None:
+    original = getattr(torch.autograd, "_engine_run_backward", None)
+    if original is None or getattr(original, "_torch_pjrt", False):
+        return
+
+    @functools.wraps(original)
+    def run_backward(*args, **kwargs):
+        result = original(*args, **kwargs)
+        _after_backward()
+        return result
+
+    run_backward._torch_pjrt = True
+    torch.autograd._engine_run_backward = run_backward  # what torch.autograd.backward and grad call
+
+
+_wrap_engine_run_backward()
 
 
 def optimizer_step(optimizer, **kwargs):

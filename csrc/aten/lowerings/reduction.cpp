@@ -14,7 +14,40 @@ namespace {
 using hlo::Compare;
 using hlo::Reducer;
 
-Value reduce(Builder& b, Value x, const Dims& dims, Reducer r) { return b.reduce(x, init_for(b, r, x.element()), dims, r); }
+// XLA:CPU turns a reduction over more than 32 elements into a chain of reduce-windows of 32 (a pairwise
+// tree, for precision), and nothing fuses into a reduce-window: the producer of a large reduction was
+// materialized whole (sum of 2^31 uint8 wrote a 16 GiB int64 copy of the input; a norm wrote x*x). A large
+// reduction over trailing dims takes the tree's first level here, a plain reduce over blocks of 32 that
+// the producer fuses into, behind a barrier (XLA would merge the two reduces back); XLA builds the rest of
+// the same tree on the 32x smaller partial results.
+constexpr int64_t kTreeBlock = 32;
+constexpr int64_t kTreeFrom = int64_t{1} << 20;  // elements; below this a copy costs little
+Value reduce(Builder& b, Value x, const Dims& dims, Reducer r) {
+  Value init = init_for(b, r, x.element());
+  Dims sorted = dims;
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t kept_rank = x.rank() - static_cast<int64_t>(sorted.size());
+  bool trailing = !sorted.empty();
+  for (size_t i = 0; i < sorted.size(); ++i) trailing &= sorted[i] == kept_rank + static_cast<int64_t>(i);
+  if (!trailing || x.type.element_count() < kTreeFrom) return b.reduce(x, init, dims, r);
+  Dims shape(x.dims().begin(), x.dims().begin() + kept_rank);
+  int64_t n = 1;
+  for (int64_t d : sorted) n *= x.dims()[d];
+  if (n <= kTreeBlock) return b.reduce(x, init, dims, r);
+  shape.push_back(n);
+  Value v = b.reshape(x, shape);
+  const int64_t padded = (n + kTreeBlock - 1) / kTreeBlock * kTreeBlock;
+  if (padded != n) {  // the tail block is filled with the reducer's identity, as XLA pads
+    Dims low(shape.size(), 0), high(shape.size(), 0), interior(shape.size(), 0);
+    high[kept_rank] = padded - n;
+    v = b.pad(v, init, low, high, interior);
+  }
+  Dims blocks = shape;
+  blocks[kept_rank] = padded / kTreeBlock;
+  blocks.push_back(kTreeBlock);
+  Value partial = b.unary("optimization_barrier", b.reduce(b.reshape(v, blocks), init, {kept_rank + 1}, r));
+  return b.reduce(partial, init, {kept_rank}, r);
+}
 
 int64_t count_over(const Value& x, const Dims& dims) {
   int64_t n = 1;
