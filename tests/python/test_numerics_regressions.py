@@ -44,3 +44,59 @@ def test_multi_margin_loss_1d_shape_follows_target(target, reduction):
     x = torch.randn(4)
     out = assert_matches_cpu(lambda x, t: F.multi_margin_loss(x, t, reduction=reduction), x, target)
     assert out.shape == F.multi_margin_loss(x, target, reduction=reduction).shape
+
+
+# ---- sorting: -0.0 equals 0.0 (stable sorts keep input order), every NaN sorts largest ----
+
+SIGNED = [0.0, -0.0, 0.0, -0.0, 1.0, -0.0, float("nan"), -float("nan"), -1.0, -0.0]
+
+
+def _same_bits(actual, expected):
+    assert actual.device.type == "tpu"
+    actual = actual.cpu()
+    assert torch.equal(actual.isnan(), expected.isnan())
+    keep = ~expected.isnan()
+    assert torch.equal(actual[keep], expected[keep]) and torch.equal(actual[keep].signbit(), expected[keep].signbit())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("descending", [False, True])
+def test_stable_sort_of_signed_zeros_keeps_input_order(dtype, descending):
+    v = torch.tensor(SIGNED, dtype=dtype)
+    expected = torch.sort(v, stable=True, descending=descending)
+    actual = torch.sort(v.to("tpu"), stable=True, descending=descending)
+    assert actual.indices.cpu().tolist() == expected.indices.tolist()
+    _same_bits(actual.values, expected.values)
+    assert torch.argsort(v.to("tpu"), stable=True, descending=descending).cpu().tolist() == expected.indices.tolist()
+
+
+def test_msort_and_2d_sort_of_signed_zeros():
+    v = torch.tensor(SIGNED).reshape(5, 2)
+    _same_bits(torch.msort(v.to("tpu")), torch.msort(v))
+    expected = torch.sort(v.t(), dim=1, stable=True)
+    actual = torch.sort(v.t().to("tpu"), dim=1, stable=True)
+    assert torch.equal(actual.indices.cpu(), expected.indices)
+
+
+def test_order_statistics_keep_the_sign_of_zero():
+    # Tie order among equal values is the kernel's choice (CPU quickselect), so only
+    # the values are compared: a -0.0 result is -0.0.
+    v = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -0.0, -1.0])
+    d = v.to("tpu")
+    for k in range(1, 8):
+        value = torch.kthvalue(d, k).values
+        assert value.cpu() == torch.kthvalue(v, k).values and d[torch.kthvalue(d, k).indices].cpu().signbit() == \
+            value.cpu().signbit()
+    neg = torch.tensor([-0.0, -0.0, 1.0])
+    _same_bits(torch.kthvalue(neg.to("tpu"), 1).values.reshape(1), torch.kthvalue(neg, 1).values.reshape(1))
+    _same_bits(torch.median(neg.to("tpu")).reshape(1), torch.median(neg).reshape(1))
+    assert torch.equal(torch.topk(v.to("tpu"), 3).values.cpu(), torch.topk(v, 3).values)
+
+
+@pytest.mark.parametrize("values", [[0.0, -0.0, 0.0, -0.0, 1.0, -0.0], [-0.0, 0.0, 2.0, 1.0], [0.0, -0.0, -0.0]])
+def test_unique_keeps_the_first_of_equal_zeros(values):
+    v = torch.tensor(values)
+    expected = torch.unique(v, return_inverse=True, return_counts=True)
+    actual = torch.unique(v.to("tpu"), return_inverse=True, return_counts=True)
+    _same_bits(actual[0], expected[0])
+    assert torch.equal(actual[1].cpu(), expected[1]) and torch.equal(actual[2].cpu(), expected[2])
