@@ -100,3 +100,39 @@ def test_unique_keeps_the_first_of_equal_zeros(values):
     actual = torch.unique(v.to("tpu"), return_inverse=True, return_counts=True)
     _same_bits(actual[0], expected[0])
     assert torch.equal(actual[1].cpu(), expected[1]) and torch.equal(actual[2].cpu(), expected[2])
+
+
+# ---- deterministic mode fills uninitialized memory (NaN, or the integer max) ----
+
+@pytest.fixture
+def deterministic_fill():
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+EMPTY_MAKERS = {
+    "empty": lambda d, dt: torch.empty(2, 3, dtype=dt, device=d),
+    "empty_strided": lambda d, dt: torch.empty_strided((2, 3), (1, 2), dtype=dt, device=d),
+    "new_empty": lambda d, dt: torch.zeros(1, dtype=dt, device=d).new_empty((4,)),
+    "empty_like": lambda d, dt: torch.empty_like(torch.zeros(3, dtype=dt, device=d)),
+    "resize_grow": lambda d, dt: torch.zeros(2, dtype=dt, device=d).resize_(2, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.complex64, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+@pytest.mark.parametrize("make", list(EMPTY_MAKERS))
+def test_deterministic_fill_uninitialized_memory(deterministic_fill, make, dtype):
+    expected = EMPTY_MAKERS[make]("cpu", dtype)
+    actual = EMPTY_MAKERS[make]("tpu", dtype)
+    assert actual.stride() == expected.stride()
+    torch.testing.assert_close(actual.cpu(), expected, equal_nan=True, rtol=0, atol=0)
+
+
+def test_no_fill_without_fill_uninitialized_memory(deterministic_fill):
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    assert not torch.empty(4, device="tpu").isnan().any()  # tpu's fresh memory reads zeros
