@@ -1057,6 +1057,16 @@ lowering::Builder::Precision float32_precision() {
   }
 }
 
+// The 1-d factories' CPU kernels resize their out= tensor only when its element count differs
+// (arange_out, range_out, linspace_out, logspace_out); otherwise the values fill it in its own shape,
+// row-major, whatever its strides (od.t(), od[::2]). The meta kernels resize it to 1-d.
+bool keeps_out_shape(const Call& call, const OutputPlan& p) {
+  static const std::set<std::string> flat_factories{"arange", "range", "linspace", "logspace"};
+  if (!flat_factories.count(base_name(call.schema))) return false;
+  at::Tensor out = item_tensor(call.args[p.arg], p.item);
+  return !out.sizes().equals(p.dims) && out.numel() == c10::multiply_integers(p.dims);
+}
+
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   check_memory_overlap(call);
@@ -1084,6 +1094,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.item = p.write ? call.written_items[i - first_written] : -1;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
+    if (p.write && keeps_out_shape(call, p)) p.dims = item_tensor(call.args[p.arg], p.item).sizes().vec();
     if (!p.write) p.strides = meta.strides[i];
     cached->outputs.push_back(p);
   }
@@ -1131,6 +1142,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
         count = ctx.storage_count(item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item));
       flats.push_back(ctx.pack_length_padded(r, count));
     } else if (cached.outputs[i].write) {
+      if (r.dims() != cached.outputs[i].dims) r = b.reshape(r, cached.outputs[i].dims);  // keeps_out_shape
       at::Tensor target = item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item);
       graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, cached.outputs[i].item);
       int64_t count = ctx.storage_count(target);

@@ -136,3 +136,39 @@ def test_deterministic_fill_uninitialized_memory(deterministic_fill, make, dtype
 def test_no_fill_without_fill_uninitialized_memory(deterministic_fill):
     torch.utils.deterministic.fill_uninitialized_memory = False
     assert not torch.empty(4, device="tpu").isnan().any()  # tpu's fresh memory reads zeros
+
+
+# ---- out= of the 1-d factories into views: filled in the view's own shape when the count matches ----
+
+FACTORIES_OUT = {
+    "arange": lambda o: torch.arange(o.numel(), out=o),
+    "arange_float": lambda o: torch.arange(0.5, o.numel() / 2, 0.5, out=o),
+    "range": lambda o: torch.range(0, o.numel() - 1, out=o),
+    "linspace": lambda o: torch.linspace(-1, 1, o.numel(), out=o),
+    "logspace": lambda o: torch.logspace(0, 1, o.numel(), out=o),
+    "arange_resized": lambda o: torch.arange(5, out=o),  # another count: resized to 1-d, as the CPU
+    "full": lambda o: torch.full(o.shape, 3.0, out=o),
+    "eye": lambda o: torch.eye(*o.shape, out=o),
+    "zeros": lambda o: torch.zeros(o.shape, out=o),
+}
+OUT_VIEWS = {
+    "rows_step": lambda od: od[::2],
+    "transposed": lambda od: od.t(),
+    "column": lambda od: od[:, 1],
+    "flat_step": lambda od: od.view(-1)[::3],
+}
+
+
+@pytest.mark.parametrize("view", list(OUT_VIEWS))
+@pytest.mark.parametrize("factory", list(FACTORIES_OUT))
+def test_factory_out_into_view_matches_cpu(factory, view):
+    results = []
+    for device in ("cpu", "tpu"):
+        base = torch.zeros(6, 4, device=device)
+        out = OUT_VIEWS[view](base)
+        r = FACTORIES_OUT[factory](out)
+        results.append((base.cpu(), r.shape, r.stride(), out.shape, out.stride()))
+    (cpu_base, *cpu_meta), (tpu_base, *tpu_meta) = results
+    torch.testing.assert_close(tpu_base, cpu_base)
+    assert tpu_meta == cpu_meta
+
