@@ -172,3 +172,68 @@ def test_factory_out_into_view_matches_cpu(factory, view):
     torch.testing.assert_close(tpu_base, cpu_base)
     assert tpu_meta == cpu_meta
 
+
+# ---- memory overlap: kernels that reject an out= that is one of their inputs ----
+
+OVERLAP_CASES = {
+    "index_select": lambda a: torch.index_select(a, 0, torch.tensor([1, 0, 2], device=a.device), out=a),
+    "index_select_index": lambda a: (lambda i: torch.index_select(a.long().flatten(), 0, i, out=i))(
+        torch.tensor([1, 0, 2], device=a.device)),
+    "gather": lambda a: torch.gather(a, 0, torch.zeros(3, 3, dtype=torch.long, device=a.device), out=a),
+    "take_along_dim": lambda a: torch.take_along_dim(a, torch.zeros(3, 3, dtype=torch.long, device=a.device), 0,
+                                                     out=a),
+    "cat_one": lambda a: torch.cat([a], out=a),
+    "cat_rows": lambda a: torch.cat([a[:1], a[1:]], out=a),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_out_aliasing_an_input_raises_as_cpu(case):
+    from conftest import assert_same_error
+    assert_same_error(OVERLAP_CASES[case], torch.arange(9.0).reshape(3, 3))
+
+
+def test_gather_out_may_be_its_index():
+    # gather only rejects partial overlap with its index: the index as the output is the CPU's choice to allow.
+    make = lambda d: torch.tensor([[0, 1], [1, 0]], device=d)
+    expected = (lambda i: torch.gather(torch.tensor([[5, 6], [7, 8]]), 1, i, out=i))(make("cpu"))
+    actual = (lambda i: torch.gather(torch.tensor([[5, 6], [7, 8]], device="tpu"), 1, i, out=i))(make("tpu"))
+    assert torch.equal(actual.cpu(), expected)
+
+
+# CPU-fallback ops: PyTorch's fallback copied each argument on its own, hiding the aliasing from the CPU kernel.
+FALLBACK_OVERLAP_CASES = {
+    "take": lambda a: torch.take(a, torch.tensor([1, 0, 2], device=a.device), out=a[0]),
+    "take_full": lambda a: torch.take(a, torch.arange(9, device=a.device).reshape(3, 3), out=a),
+    "put_": lambda a: a.flatten().put_(torch.tensor([1, 0, 2], device=a.device), a.flatten()[:3]),
+    "masked_select": lambda a: torch.masked_select(a.flatten(), torch.ones(9, dtype=torch.bool, device=a.device),
+                                                   out=a.flatten()),
+    "linalg_cross": lambda a: torch.linalg.cross(a, a[[1, 0, 2]], out=a),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_OVERLAP_CASES))
+def test_cpu_fallback_out_aliasing_an_input_raises_as_cpu(case):
+    from conftest import assert_same_error
+    assert_same_error(FALLBACK_OVERLAP_CASES[case], torch.arange(9.0).reshape(3, 3))
+
+
+FALLBACK_SHARED_STORAGE = {
+    # Written and read tensors in one storage without overlapping: the CPU computes; so must tpu.
+    "take_disjoint": lambda a: torch.take(a[1:], torch.tensor([5, 0, 2], device=a.device), out=a[0]),
+    "masked_scatter_disjoint": lambda a: a.flatten()[:4].masked_scatter_(
+        torch.tensor([True, False, True, True], device=a.device), a.flatten()[4:]),
+    "put_disjoint": lambda a: a.flatten()[:4].put_(torch.tensor([3, 0], device=a.device), a.flatten()[6:8],
+                                                   accumulate=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_SHARED_STORAGE))
+def test_cpu_fallback_with_shared_storage_matches_cpu(case):
+    results = []
+    for device in ("cpu", "tpu"):
+        a = torch.arange(9.0, device=device).reshape(3, 3)
+        r = FALLBACK_SHARED_STORAGE[case](a)
+        results.append((a.cpu(), r.cpu(), r.shape, r.stride()))
+    (ca, cr, *cm), (ta, tr, *tm) = results
+    assert torch.equal(ta, ca) and torch.equal(tr, cr) and tm == cm
