@@ -794,10 +794,15 @@ void check_memory_overlap(const Call& call) {
   // CPU kernels that check no overlap between their output and inputs.
   static const std::set<std::string> inputs_unchecked{"fill", "masked_fill", "index_fill", "masked_scatter",
                                                       "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "sum", "mean"};
-  // The index family rejects even full aliasing (at::assert_no_overlap).
+  // Kernels that reject even full aliasing (at::assert_no_overlap) of their output with every input: the
+  // index family, index_select, cat (an out= the very tensor they read would be read while written).
   static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
-                                                 "scatter", "scatter_add", "scatter_reduce", "index_reduce"};
+                                                 "scatter", "scatter_add", "scatter_reduce", "index_reduce",
+                                                 "index_select", "cat"};
+  // ... or of their output with these inputs only (the others: partial overlap, as TensorIterator).
+  static const std::map<std::string, std::set<std::string>> no_aliasing_with{{"gather", {"self"}}};
   std::string base = base_name(call.schema);
+  auto only = no_aliasing_with.find(base);
   for (size_t k = 0; k < call.written.size(); ++k) {
     int w = call.written[k];
     const at::Tensor out = written_tensor(call, call.args, k);
@@ -807,8 +812,11 @@ void check_memory_overlap(const Call& call) {
       if (static_cast<int>(i) == w) continue;
       map_tensors(call.args[i], [&](const at::Tensor& in) {
         if (!in.defined() || in.device().type() != kTpu) return in;
-        if (no_aliasing.count(base)) at::assert_no_overlap(out, in);
-        else at::assert_no_partial_overlap(out, in);
+        if (no_aliasing.count(base) ||
+            (only != no_aliasing_with.end() && only->second.count(call.schema.arguments()[i].name())))
+          at::assert_no_overlap(out, in);
+        else
+          at::assert_no_partial_overlap(out, in);
         return in;
       });
     }
@@ -1057,6 +1065,16 @@ lowering::Builder::Precision float32_precision() {
   }
 }
 
+// The 1-d factories' CPU kernels resize their out= tensor only when its element count differs
+// (arange_out, range_out, linspace_out, logspace_out); otherwise the values fill it in its own shape,
+// row-major, whatever its strides (od.t(), od[::2]). The meta kernels resize it to 1-d.
+bool keeps_out_shape(const Call& call, const OutputPlan& p) {
+  static const std::set<std::string> flat_factories{"arange", "range", "linspace", "logspace"};
+  if (!flat_factories.count(base_name(call.schema))) return false;
+  at::Tensor out = item_tensor(call.args[p.arg], p.item);
+  return !out.sizes().equals(p.dims) && out.numel() == c10::multiply_integers(p.dims);
+}
+
 // The op's plan: PyTorch's meta kernel decides output shapes and dtypes.
 std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry) {
   check_memory_overlap(call);
@@ -1084,6 +1102,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     p.item = p.write ? call.written_items[i - first_written] : -1;
     p.dtype = meta.dtypes[i];
     p.dims = meta.outputs[i].dims;
+    if (p.write && keeps_out_shape(call, p)) p.dims = item_tensor(call.args[p.arg], p.item).sizes().vec();
     if (!p.write) p.strides = meta.strides[i];
     cached->outputs.push_back(p);
   }
@@ -1131,6 +1150,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
         count = ctx.storage_count(item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item));
       flats.push_back(ctx.pack_length_padded(r, count));
     } else if (cached.outputs[i].write) {
+      if (r.dims() != cached.outputs[i].dims) r = b.reshape(r, cached.outputs[i].dims);  // keeps_out_shape
       at::Tensor target = item_tensor(call.args[cached.outputs[i].arg], cached.outputs[i].item);
       graph::StridedView view = ctx.view_of(target, cached.outputs[i].arg, cached.outputs[i].item);
       int64_t count = ctx.storage_count(target);
@@ -1280,9 +1300,94 @@ void check_written_on_device(const c10::FunctionSchema& schema, const torch::jit
     });
   }
 }
+// Whether a tensor the op writes shares its storage with another tensor argument (put_(idx, self[:3]),
+// take(a, i, out=a)). PyTorch's CPU fallback copies each argument on its own, so the CPU kernel would see
+// no aliasing: neither its overlap errors nor its results with aliased arguments.
+bool written_shares_storage(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  size_t nargs = schema.arguments().size();
+  std::vector<std::pair<const c10::StorageImpl*, bool>> seen;  // storage, written
+  bool plain = true;  // conjugate/negative views would need their bits carried over: left to PyTorch's fallback
+  for (size_t i = 0; i < nargs; ++i) {
+    const auto& info = schema.arguments()[i].alias_info();
+    bool written = info && info->isWrite();
+    map_tensors(stack[stack.size() - nargs + i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu) return t;
+      plain = plain && !t.is_conj() && !t.is_neg();
+      seen.emplace_back(t.storage().unsafeGetStorageImpl(), written);
+      return t;
+    });
+  }
+  if (!plain) return false;
+  for (size_t a = 0; a < seen.size(); ++a)
+    for (size_t b = a + 1; b < seen.size(); ++b)
+      if (seen[a].first == seen[b].first && (seen[a].second || seen[b].second)) return true;
+  return false;
+}
+
+// The CPU fallback for such calls: each tpu storage is copied to the host once and every argument becomes a
+// host view of its copy with the same sizes, strides and offset, so the CPU kernel sees the aliasing as it is.
+// Written arguments get their host views' values back; returns that alias an argument are that argument.
+void cpu_fallback_aliased(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  size_t nargs = schema.arguments().size();
+  std::unordered_map<const c10::StorageImpl*, at::Tensor> host;  // storage -> its bytes on the host
+  std::vector<c10::IValue> originals(stack->end() - nargs, stack->end());
+  std::optional<c10::Device> device;
+  auto to_host = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || t.device().type() != kTpu) return t;
+    device = t.device();
+    const c10::Storage& storage = t.storage();
+    auto it = host.find(storage.unsafeGetStorageImpl());
+    if (it == host.end()) {
+      int64_t nbytes = static_cast<int64_t>(storage.nbytes());
+      at::Tensor bytes = at::empty({0}, t.options().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
+      it = host.emplace(storage.unsafeGetStorageImpl(), bytes.cpu()).first;
+    }
+    return at::empty({0}, t.options().device(at::kCPU))
+        .set_(it->second.storage(), t.storage_offset(), t.sizes(), t.strides());
+  };
+  std::vector<c10::IValue> on_host;
+  for (const c10::IValue& v : originals) on_host.push_back(map_tensors(v, to_host));
+  torch::jit::Stack cpu_stack(on_host.begin(), on_host.end());
+  op.callBoxed(&cpu_stack);
+  // Written arguments, in argument order (an out= resized by the CPU kernel takes its new shape).
+  for (size_t i = 0; i < nargs; ++i) {
+    const auto& info = schema.arguments()[i].alias_info();
+    if (!info || !info->isWrite()) continue;
+    std::vector<at::Tensor> dev, cpu;
+    map_tensors(originals[i], [&](const at::Tensor& t) { dev.push_back(t); return t; });
+    map_tensors(on_host[i], [&](const at::Tensor& t) { cpu.push_back(t); return t; });
+    for (size_t k = 0; k < dev.size(); ++k) {
+      if (!dev[k].defined() || dev[k].device().type() != kTpu) continue;
+      if (!dev[k].sizes().equals(cpu[k].sizes())) dev[k].resize_(cpu[k].sizes());
+      dev[k].copy_(cpu[k]);
+    }
+  }
+  const auto& returns = schema.returns();
+  std::vector<c10::IValue> results;
+  for (size_t r = 0; r < returns.size(); ++r) {
+    const auto& info = returns[r].alias_info();
+    std::optional<size_t> same;
+    for (size_t i = 0; info && i < nargs && !same; ++i) {
+      const auto& arg = schema.arguments()[i].alias_info();
+      if (arg && arg->beforeSets() == info->beforeSets()) same = i;
+    }
+    if (same) {
+      results.push_back(originals[*same]);
+    } else {
+      results.push_back(map_tensors(cpu_stack[r], [&](const at::Tensor& t) {
+        return t.defined() && t.device().is_cpu() && device ? t.to(*device) : t;
+      }));
+    }
+  }
+  torch::jit::drop(*stack, nargs);
+  for (auto& v : results) stack->push_back(std::move(v));
+}
+
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   check_written_on_device(op.schema(), *stack);
   flush_pending();
+  if (written_shares_storage(op.schema(), *stack)) return cpu_fallback_aliased(op, stack);
   at::native::cpu_fallback(op, stack);
   // Counted once it ran: when the CPU kernel raises (a shape error the meta
   // kernel saw first), that is the user's error, not an op running on the CPU.

@@ -3,6 +3,8 @@
 // every other op to its lowering (executor.cpp).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/native/ResizeCommon.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -34,19 +36,30 @@ c10::Device tpu_device(std::optional<c10::Device> device) {
   return c10::Device(kTpu, static_cast<c10::DeviceIndex>(index));
 }
 
+// torch.use_deterministic_algorithms(True) with fill_uninitialized_memory:
+// new memory reads NaN (floating, complex) or the dtype's max (integers), as
+// the CPU and CUDA empty kernels fill it.
+bool fill_uninitialized() {
+  return at::globalContext().deterministicAlgorithms() && at::globalContext().deterministicFillUninitializedMemory();
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
                                std::optional<at::Layout> layout, std::optional<c10::Device> device,
                                std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
   at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
-  return new_device_tensor(size, std::nullopt, type, tpu_device(device).index(), memory_format);
+  at::Tensor t = new_device_tensor(size, std::nullopt, type, tpu_device(device).index(), memory_format);
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
                          std::optional<at::Layout> layout, std::optional<c10::Device> device, std::optional<bool>) {
   TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors are strided; got layout ", *layout);
   at::ScalarType type = dtype.value_or(at::get_default_dtype_as_scalartype());
-  return new_device_tensor(size, stride, type, tpu_device(device).index());
+  at::Tensor t = new_device_tensor(size, stride, type, tpu_device(device).index());
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 
 // Grows a storage in place; the bytes past the old end read as zeros.
@@ -76,7 +89,9 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::op
   if (self.sizes().equals(size) && !format) return self;
   if (!self.sizes().equals(size)) impl->set_sizes_contiguous(size);
   if (format) impl->empty_tensor_restride(*format);
+  const auto old_nbytes = static_cast<int64_t>(self.storage().nbytes());
   ensure_storage_bytes(self, bytes_needed(self.sizes(), self.strides(), self.storage_offset(), self.element_size()));
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_resize_deterministic_(self, old_nbytes);
   return self;
 }
 

@@ -654,7 +654,19 @@ Value Builder::scatter(Value operand, Value indices, Value updates, const Scatte
               operand.type, region);
 }
 
-std::vector<Value> Builder::sort(const std::vector<Value>& operands, int64_t dim, bool descending, bool stable) {
+std::vector<Value> Builder::sort(const std::vector<Value>& input, int64_t dim, bool descending, bool stable) {
+  std::vector<Value> operands = input;
+  const bool keyed = is_float(input[0].element());
+  if (keyed) {
+    // torch compares -0.0 equal to 0.0 (a stable sort keeps their input order) and puts every NaN last,
+    // whatever its sign; TOTALORDER orders -0 < 0 and -NaN first. So the sort runs on a key with both
+    // zeros made +0 and every NaN made +NaN, and returns the original values.
+    Value x = input[0];
+    Value zero = constant(0, x.element(), x.dims());
+    Value key = select(compare(x, x, Compare::NE), constant(NAN, x.element(), x.dims()),
+                       select(compare(x, zero, Compare::EQ), zero, x));
+    operands.insert(operands.begin(), key);
+  }
   std::string args, p = TensorType{ElementType::Pred, {}}.str();
   std::string key_a, key_b, key_t = TensorType{operands[0].element(), {}}.str();
   for (size_t i = 0; i < operands.size(); ++i) {
@@ -675,9 +687,11 @@ std::vector<Value> Builder::sort(const std::vector<Value>& operands, int64_t dim
                        "\n      \"stablehlo.return\"(" + r + ") : (" + p + ") -> ()\n    }";
   std::vector<TensorType> types;
   for (const Value& v : operands) types.push_back(v.type);
-  return emit_multi("sort", operands,
-                    "{dimension = " + std::to_string(dim) + " : i64, is_stable = " + (stable ? "true" : "false") + "}",
-                    types, region);
+  std::vector<Value> sorted = emit_multi(
+      "sort", operands, "{dimension = " + std::to_string(dim) + " : i64, is_stable = " + (stable ? "true" : "false") + "}",
+      types, region);
+  if (keyed) sorted.erase(sorted.begin());
+  return sorted;
 }
 
 std::vector<Value> Builder::rng_bit_generator(Value state, TensorType bits_type) {

@@ -89,7 +89,10 @@ def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
     first = torch.cat([torch.ones(1, dtype=torch.bool, device=device), values[1:] != values[:-1]])
     group = torch.cumsum(first, 0) - 1  # each sorted position's distinct value
     count = int(group[-1].item()) + 1  # the one host read
-    uniques = torch.empty(count, dtype=self.dtype, device=device).scatter_(0, group, values)
+    # Each distinct value as its first occurrence, as the CPU (-0.0 or 0.0, whichever comes first).
+    starts = torch.full((count,), n, dtype=long, device=device).scatter_reduce_(
+        0, group, torch.arange(n, device=device), "amin")
+    uniques = values[starts]
     inverse = (torch.empty(n, dtype=long, device=device).scatter_(0, order, group).reshape(self.shape)
                if return_inverse else empty)
     counts = (torch.zeros(count, dtype=long, device=device).index_add_(0, group, torch.ones(n, dtype=long, device=device))

@@ -15,6 +15,7 @@ import threading
 import torch
 import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
+from torch._prims_common.wrappers import out_wrapper
 
 from . import _C, _resample_uint8
 
@@ -209,6 +210,46 @@ def _resample_kernel(op, name: str, cubic: bool, antialias: bool):
     return kernel
 
 
+@out_wrapper("output", "is_target")
+def _multilabel_margin_loss_forward(input, target, reduction):
+    # torch._decomp's version keeps the margins of labels after the first -1
+    # (gathered from column 0) and returns shape (1,) for a 1-d input with
+    # reduction='none'. As the CPU kernel: per sample, sum over its labels k
+    # (those before the first -1) and non-label columns j of
+    # max(0, 1 - x[k] + x[j]) / dim.
+    # (Shape errors: the CPU kernel's, from _kernel's probe.)
+    x, t = torch.atleast_2d(input), torch.atleast_2d(target)
+    dim = x.shape[1]
+    idx = torch.arange(dim, device=t.device)
+    end = torch.amin(torch.where(t == -1, idx, dim), dim=-1, keepdim=True)
+    is_label = idx < end  # [n, k]: t[n, k] is one of the sample's labels
+    labels = torch.where(is_label, t, 0)
+    is_target = torch.any((idx == torch.where(is_label, t, -1).unsqueeze(-1)) & is_label.unsqueeze(-1), dim=1)
+    u = torch.gather(x, -1, labels)  # [n, k]
+    z = (1.0 - u.unsqueeze(-1) + x.unsqueeze(-2)).clamp_min(0) / dim  # [n, k, j]
+    z = torch.where(is_label.unsqueeze(-1) & ~is_target.unsqueeze(-2), z, 0)
+    z = z.sum(dim=(-2, -1))
+    if reduction == 1:  # mean (0 for an empty batch, as the CPU kernel)
+        z = z.sum() / max(z.shape[0], 1)
+    elif reduction == 2:  # sum
+        z = z.sum()
+    elif input.dim() <= 1:
+        z = z.reshape(())
+    return z, is_target.to(input.dtype).reshape(target.shape)
+
+
+@out_wrapper()
+def _multi_margin_loss(input, target, p=1, margin=1, weight=None, reduction=1):
+    # torch._decomp's returns shape (1,) for a 1-d input with reduction='none'; the CPU's follows the
+    # target: () for a 0-d one.
+    z = decomposition_table[torch.ops.aten.multi_margin_loss.default](input, target, p, margin, weight, reduction)
+    return z.reshape(()) if reduction == 0 and target.dim() == 0 else z
+
+
+# Decompositions used instead of torch._decomp's (which compute wrong values or shapes).
+_OWN_DECOMPOSITIONS = {"multilabel_margin_loss_forward": _multilabel_margin_loss_forward,
+                       "multi_margin_loss": _multi_margin_loss}
+
 _PRIVATEUSE1 = {"upsample_bicubic2d_backward": _upsample_bicubic2d_backward,
                 "_weight_norm_interface_backward": _weight_norm_interface_backward}
 
@@ -241,4 +282,5 @@ def register() -> None:
         if (base in lowered or schema.name in _SKIP or schema.is_mutable or not _reaches_fallback(qualified)
                 or (base in _resample_uint8.OPS and not schema.overload_name)):
             continue
+        fn = _OWN_DECOMPOSITIONS.get(base, fn)
         _library.impl(op, _kernel(op, qualified, fn), "PrivateUse1")

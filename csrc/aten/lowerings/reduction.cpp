@@ -236,8 +236,11 @@ std::pair<Value, Value> kth_smallest(Builder& b, Value x, int64_t dim, Value k) 
   Dims rows = all_dims(x.rank());
   rows.erase(rows.begin() + dim);
   Value hit = b.compare(idx, b.broadcast_in_dim(k, x.dims(), rows), Compare::EQ);
-  // One hit per row: a sum of the hit and zeros picks it (NaN and inf too).
-  Value value = reduce(b, b.select(hit, sorted[0], b.constant(0, x.element(), x.dims())), {dim}, Reducer::Add);
+  // One hit per row: a sum of the hit and zeros picks it (NaN and inf too); -0.0 for floats, so that a
+  // -0.0 hit keeps its sign (-0 + +0 would be +0).
+  Value zero = b.constant(is_float(x.element()) ? -0.0 : 0.0, x.element(), x.dims());
+  Value value = b.reduce(b.select(hit, sorted[0], zero), b.constant(is_float(x.element()) ? -0.0 : 0.0, x.element()),
+                         {dim}, Reducer::Add);
   Value index = reduce(b, b.select(hit, sorted[1], b.constant_int(0, ElementType::S64, x.dims())), {dim}, Reducer::Add);
   return {value, index};
 }
