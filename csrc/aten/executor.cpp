@@ -482,6 +482,7 @@ class CallContext final : public lowering::Context {
     Value p = b.parameter(*type);
     operands.push_back(OperandRef{OperandRef::Storage, arg, item});
     params.emplace(&st, p);
+    if (graph_) graph_->originals.emplace(&st, p);
     return p;
   }
 
@@ -1223,6 +1224,18 @@ void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
   }
 }
 
+// The birth of the oldest storage with a value among `outs` (UINT64_MAX: none).
+uint64_t oldest_born(const std::vector<at::Tensor>& outs) {
+  uint64_t oldest = UINT64_MAX;
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  for (const at::Tensor& t : outs) {
+    if (!t.defined()) continue;
+    const StorageState& st = storage_state(t.storage());
+    if (st.buffer) oldest = std::min(oldest, st.born);
+  }
+  return oldest;
+}
+
 // Strict and debug modes: runs the op's own program now (asynchronously).
 // Returns false (nothing run) when another thread changed an operand storage's
 // type since the signature was taken: the caller plans the op again.
@@ -1232,6 +1245,8 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   for (size_t i = 0; i < holders.size(); ++i)  // uploads and RNG draws need no lock
     if (cached.operands[i].kind != OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
   pjrt::ExecutablePtr exe = cached.program->executable();  // loaded again if unloaded, before the lock
+  // May wait for earlier programs: before the lock.
+  const uint64_t dropped_before = checks_unread(call.device) ? writes_dropped_before(call.device, oldest_born(outs)) : 0;
   pjrt::LoadedExecutable::Result result;
   std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
   ProfileScope profile([&] { return std::pair{"torch_pjrt::execute(" + op_name(call.schema) + ")", op_name(call.schema)}; });
@@ -1245,11 +1260,15 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       buffers.push_back(holders[i].get());
     }
     result = exe->execute(buffers);
+    const uint64_t program = begin_program(call.device);
     size_t produced = 0;
     for (const at::Tensor& t : outs) {
       if (!t.defined()) continue;
       StorageState& st = storage_state(t.storage());
-      replaced.push_back(std::exchange(st.buffer, result.outputs[produced++]));
+      pjrt::BufferPtr& out = result.outputs[produced++];
+      if (st.buffer && st.born < dropped_before) continue;  // a check failed before: keep its value
+      if (!st.buffer) st.born = program;
+      replaced.push_back(std::exchange(st.buffer, out));
       st.lost.reset();
     }
   }

@@ -131,6 +131,8 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(py::cast(tensors), py::tuple(ints));
   });
   m.def("_replay_refusal", &replay_refusal, release_gil());
+  m.def("_checks_may_fail", &checks_may_fail, release_gil());
+  m.def("_undo_host_state_on_failed_check", &undo_host_state_on_failed_check, release_gil());
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
