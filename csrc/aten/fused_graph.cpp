@@ -387,7 +387,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
   if (!checks.checks.empty()) {
-    keep_values_on_failed_check(g, b, checks.checks, values, live, outputs);
+    if (keep_values_on_failed_checks()) keep_values_on_failed_check(g, b, checks.checks, values, live, outputs);
     outputs.push_back(lowering::check_status(b, checks.checks));
     compiled->checks = std::make_shared<const std::vector<CheckInfo>>(std::move(checks.infos));
     compiled->checked_ops = std::move(checks.ops);
@@ -662,6 +662,7 @@ void run_graph(PendingGraph& g) {
   keep_values_after_failed_check(g, live);
   std::string key = g.key + "|live:";
   for (int id : live) key += std::to_string(id) + ",";
+  if (!keep_values_on_failed_checks()) key += "|unkept";  // a program without the selects (benchmarks)
   std::map<int, int> donated = donations(g, live);
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
@@ -1357,7 +1358,7 @@ const std::string& captured_program_text(const CapturedGraph& cap) { return cap.
 bool checks_may_fail(int device) {
   PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  return g.has_checks || checks_unread(device);
+  return keep_values_on_failed_checks() && (g.has_checks || checks_unread(device));
 }
 
 void undo_host_state_on_failed_check(int device, std::vector<at::Tensor> targets, std::vector<at::Tensor> saved) {

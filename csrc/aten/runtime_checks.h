@@ -70,6 +70,11 @@ void raise_failed_checks(int device = -1);
 // born before it are dropped until the error is raised at the user's next
 // wait, as before.
 
+// Whether failed checks keep values (default on). Off only to measure what
+// keeping them costs (benchmarks/bench_failed_checks.py); returns the old setting.
+bool keep_values_on_failed_checks();
+bool set_keep_values_on_failed_checks(bool on);
+
 // Numbers the next program launched on `device`; call before installing its outputs.
 uint64_t begin_program(int device);
 // The number of the last program launched on `device`.
