@@ -486,6 +486,12 @@ class CallContext final : public lowering::Context {
     return p;
   }
 
+  // The parameter of a storage the op read (strict/debug programs), if any.
+  std::optional<Value> original(const StorageState* st) const {
+    auto it = storage_params_.find(st);
+    return it == storage_params_.end() ? std::nullopt : std::optional<Value>(it->second);
+  }
+
   // The type the op's signature saw: the plan cached under that signature
   // must not depend on what another thread installed since.
   std::optional<lowering::TensorType> keyed_type(const StorageState& st) const {
@@ -1170,6 +1176,23 @@ void note_op_recompile(const std::string& name, const std::string& description, 
   it->second = description;
 }
 
+// A strict op whose check fails writes nothing: each storage it rewrites
+// after reading it is selected on its checks, as a fused graph's results are
+// (runtime_checks.h). `flats` follows the op's present outputs.
+void keep_values_on_failed_check(lowering::Builder& b, const Call& call, const CachedOp& cached, const CallContext& ctx,
+                                 std::vector<Value>& flats) {
+  Value ok = ctx.checks.front().ok;
+  for (size_t k = 1; k < ctx.checks.size(); ++k) ok = b.binary("and", ok, ctx.checks[k].ok);
+  size_t flat = 0;
+  for (const OutputPlan& p : cached.outputs) {
+    if (p.absent) continue;
+    Value& v = flats[flat++];
+    if (!p.write) continue;
+    std::optional<Value> old = ctx.original(&storage_state(item_tensor(call.args[p.arg], p.item).storage()));
+    if (old && old->type == v.type) v = b.select(b.broadcast_in_dim(ok, v.dims(), {}), v, *old);
+  }
+}
+
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location) {
   std::string description = describe_call(call.schema, call.args);
@@ -1190,6 +1213,7 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
   for (const Value& v : flats) largest = std::max(largest, v.type.element_count());
   auto effort = largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
   if (!ctx.checks.empty()) {
+    keep_values_on_failed_check(b, call, cached, ctx, flats);
     flats.push_back(lowering::check_status(b, ctx.checks));
     cached.checks = check_infos_of(call, ctx.checks);
   }
