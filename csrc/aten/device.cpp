@@ -1,5 +1,6 @@
 // Allocator, device guard, hooks and generators for PrivateUse1 (`tpu`).
 #include "aten/device.h"
+#include "aten/runtime_checks.h"
 #include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/exit_gate.h"
@@ -572,6 +573,7 @@ pjrt::BufferPtr buffer_of(const StorageState& st) {
 
 void install_buffer(StorageState& st, pjrt::BufferPtr buffer) {
   std::lock_guard<std::mutex> lock(storage_mutex());
+  if (!st.buffer) st.born = current_program(st.device);
   st.buffer.swap(buffer);
   st.lost.reset();
 }  // the old buffer is released after the lock (declared before it)

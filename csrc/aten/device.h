@@ -37,6 +37,10 @@ struct StorageState {
   // Set when the fused graph that was to compute this value failed: reading
   // the storage raises this message instead of returning a stale value.
   std::shared_ptr<const std::string> lost;
+  // The device program (runtime_checks.h's begin_program) current when the
+  // storage got its first buffer: writes to storages born before a failed
+  // check are dropped until its error is raised.
+  uint64_t born = 0;
 };
 
 // Threads. Ops on any thread read and replace storages' buffers, so every

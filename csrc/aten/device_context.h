@@ -64,6 +64,12 @@ struct DeviceContext {
   // Runtime check statuses not yet read (runtime_checks.cpp).
   std::mutex checks_mutex;
   std::vector<PendingStatus> check_statuses;
+  // Programs launched so far (begin_program), and the first one whose check
+  // failed while its error is unread (0: none): writes to storages born
+  // before it are dropped.
+  std::atomic<uint64_t> programs{0};
+  uint64_t failed_program = 0;
+  std::vector<HostUndo> host_undos;  // under checks_mutex
 };
 
 // The context of device `index` (checked). Contexts live as long as the process.

@@ -482,7 +482,14 @@ class CallContext final : public lowering::Context {
     Value p = b.parameter(*type);
     operands.push_back(OperandRef{OperandRef::Storage, arg, item});
     params.emplace(&st, p);
+    if (graph_) graph_->originals.emplace(&st, p);
     return p;
+  }
+
+  // The parameter of a storage the op read (strict/debug programs), if any.
+  std::optional<Value> original(const StorageState* st) const {
+    auto it = storage_params_.find(st);
+    return it == storage_params_.end() ? std::nullopt : std::optional<Value>(it->second);
   }
 
   // The type the op's signature saw: the plan cached under that signature
@@ -1189,6 +1196,23 @@ void note_op_recompile(const std::string& name, const std::string& description, 
   it->second = description;
 }
 
+// A strict op whose check fails writes nothing: each storage it rewrites
+// after reading it is selected on its checks, as a fused graph's results are
+// (runtime_checks.h). `flats` follows the op's present outputs.
+void keep_values_on_failed_check(lowering::Builder& b, const Call& call, const CachedOp& cached, const CallContext& ctx,
+                                 std::vector<Value>& flats) {
+  Value ok = ctx.checks.front().ok;
+  for (size_t k = 1; k < ctx.checks.size(); ++k) ok = b.binary("and", ok, ctx.checks[k].ok);
+  size_t flat = 0;
+  for (const OutputPlan& p : cached.outputs) {
+    if (p.absent) continue;
+    Value& v = flats[flat++];
+    if (!p.write) continue;
+    std::optional<Value> old = ctx.original(&storage_state(item_tensor(call.args[p.arg], p.item).storage()));
+    if (old && old->type == v.type) v = b.select(b.broadcast_in_dim(ok, v.dims(), {}), v, *old);
+  }
+}
+
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location) {
   std::string description = describe_call(call.schema, call.args);
@@ -1209,6 +1233,7 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
   for (const Value& v : flats) largest = std::max(largest, v.type.element_count());
   auto effort = largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
   if (!ctx.checks.empty()) {
+    keep_values_on_failed_check(b, call, cached, ctx, flats);
     flats.push_back(lowering::check_status(b, ctx.checks));
     cached.checks = check_infos_of(call, ctx.checks);
   }
@@ -1243,6 +1268,18 @@ void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
   }
 }
 
+// The birth of the oldest storage with a value among `outs` (UINT64_MAX: none).
+uint64_t oldest_born(const std::vector<at::Tensor>& outs) {
+  uint64_t oldest = UINT64_MAX;
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  for (const at::Tensor& t : outs) {
+    if (!t.defined()) continue;
+    const StorageState& st = storage_state(t.storage());
+    if (st.buffer) oldest = std::min(oldest, st.born);
+  }
+  return oldest;
+}
+
 // Strict and debug modes: runs the op's own program now (asynchronously).
 // Returns false (nothing run) when another thread changed an operand storage's
 // type since the signature was taken: the caller plans the op again.
@@ -1252,6 +1289,8 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   for (size_t i = 0; i < holders.size(); ++i)  // uploads and RNG draws need no lock
     if (cached.operands[i].kind != OperandRef::Storage) holders[i] = operand_buffer(call, cached.operands[i]);
   pjrt::ExecutablePtr exe = cached.program->executable();  // loaded again if unloaded, before the lock
+  // May wait for earlier programs: before the lock.
+  const uint64_t dropped_before = checks_unread(call.device) ? writes_dropped_before(call.device, oldest_born(outs)) : 0;
   pjrt::LoadedExecutable::Result result;
   std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
   ProfileScope profile([&] { return std::pair{"torch_pjrt::execute(" + op_name(call.schema) + ")", op_name(call.schema)}; });
@@ -1265,11 +1304,15 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       buffers.push_back(holders[i].get());
     }
     result = exe->execute(buffers);
+    const uint64_t program = begin_program(call.device);
     size_t produced = 0;
     for (const at::Tensor& t : outs) {
       if (!t.defined()) continue;
       StorageState& st = storage_state(t.storage());
-      replaced.push_back(std::exchange(st.buffer, result.outputs[produced++]));
+      pjrt::BufferPtr& out = result.outputs[produced++];
+      if (st.buffer && st.born < dropped_before) continue;  // a check failed before: keep its value
+      if (!st.buffer) st.born = program;
+      replaced.push_back(std::exchange(st.buffer, out));
       st.lost.reset();
     }
   }

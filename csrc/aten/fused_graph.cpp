@@ -78,6 +78,7 @@ struct PendingGraph {
   std::vector<int> snapshot_refs;  // storage references held by the graph's own snapshots
   GraphValues inputs;              // record-time types of storages read before written
   std::string key;
+  bool has_checks = false;  // an op declared runtime checks
   std::shared_ptr<GraphRun> run;   // events recorded inside this graph (null: none)
   // torch.accelerator.Graph capture ("graph capture" below): the ops recorded
   // are kept for replay and never run here; why the capture failed, if it did.
@@ -264,6 +265,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   g.key += ';';
   g.ops.push_back(std::move(rec));
   g.compile_cost += cached->compile_cost;
+  g.has_checks = g.has_checks || cached->checks != nullptr;
   ++metrics().fused_ops;
   graph::count_lowered_op(op_name(call.schema));
   push_returns(stack, nargs, *cached, outs);
@@ -357,6 +359,23 @@ graph::Effort graph_effort(const PendingGraph& g, const lowering::Builder& b, co
   return largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
 }
 
+// A graph whose checks fail writes nothing: each result that replaces a
+// value the graph read is selected on all checks passing, so parameters and
+// optimizer state updated after a bad index keep their values
+// (runtime_checks.h). In an update XLA fuses the select into the loop that
+// already reads the old value.
+void keep_values_on_failed_check(const PendingGraph& g, lowering::Builder& b,
+                                 const std::vector<lowering::RuntimeCheck>& checks, const GraphValues& values,
+                                 const std::vector<int>& live, std::vector<Value>& outputs) {
+  Value ok = checks.front().ok;
+  for (size_t k = 1; k < checks.size(); ++k) ok = b.binary("and", ok, checks[k].ok);
+  for (size_t k = 0; k < live.size(); ++k) {
+    auto old = values.originals.find(&storage_state(g.storages[live[k]]));
+    if (old == values.originals.end() || old->second.type != outputs[k].type) continue;
+    outputs[k] = b.select(b.broadcast_in_dim(ok, outputs[k].dims(), {}), outputs[k], old->second);
+  }
+}
+
 std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
                                              const std::map<int, int>& donated, std::string* text = nullptr) {
   auto start = std::chrono::steady_clock::now();
@@ -368,6 +387,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
   if (!checks.checks.empty()) {
+    if (keep_values_on_failed_checks()) keep_values_on_failed_check(g, b, checks.checks, values, live, outputs);
     outputs.push_back(lowering::check_status(b, checks.checks));
     compiled->checks = std::make_shared<const std::vector<CheckInfo>>(std::move(checks.infos));
     compiled->checked_ops = std::move(checks.ops);
@@ -527,6 +547,7 @@ void reset_recording(PendingGraph& g) {
   g.snapshot_refs.clear();
   g.inputs.inputs.clear();
   g.key.clear();
+  g.has_checks = false;
   g.device = -1;
 }
 
@@ -655,11 +676,40 @@ void check_not_capturing(PendingGraph& g, int device) {
   TORCH_CHECK(false, message);
 }
 
+// The birth of the oldest of these storages that has a value (UINT64_MAX: none).
+uint64_t oldest_born(const PendingGraph& g, const std::vector<int>& ids) {
+  uint64_t oldest = UINT64_MAX;
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  for (int id : ids) {
+    const StorageState& st = storage_state(g.storages[id]);
+    if (st.buffer) oldest = std::min(oldest, st.born);
+  }
+  return oldest;
+}
+
+// After a failed check whose error is unread, the graph's results that
+// replace older values are left out: those storages keep their buffers
+// (runtime_checks.h). Reads the unread statuses first only when the graph
+// writes such a storage.
+void keep_values_after_failed_check(const PendingGraph& g, std::vector<int>& live) {
+  if (!checks_unread(g.device)) return;
+  uint64_t before = writes_dropped_before(g.device, oldest_born(g, live));
+  if (!before) return;
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  live.erase(std::remove_if(live.begin(), live.end(), [&](int id) {
+    const StorageState& st = storage_state(g.storages[id]);
+    return st.buffer && st.born < before;
+  }), live.end());
+}
+
 void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   check_not_capturing(g, g.device);
+  std::vector<int> live = graph_results(g, nullptr);
+  keep_values_after_failed_check(g, live);
   std::string key = g.key + "|live:";
-  std::vector<int> live = graph_results(g, &key);
+  for (int id : live) key += std::to_string(id) + ",";
+  if (!keep_values_on_failed_checks()) key += "|unkept";  // a program without the selects (benchmarks)
   std::map<int, int> donated = donations(g, live);
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
@@ -695,6 +745,7 @@ void run_graph(PendingGraph& g) {
     ProfileScope profile([&] { return graph_profile(g, "execute"); });
     exe = compiled->program->executable();
     auto result = exe->execute(buffers);
+    begin_program(g.device);
     if ((first_run || profile.active()) && result.done) {
       result.done->wait();
       compiled->ran_once = true;
@@ -1055,6 +1106,19 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
 
 std::string replay_refusal() { return g_replay_refusal; }
 
+namespace {
+// The birth of the oldest input that the plan writes (UINT64_MAX: none).
+uint64_t oldest_input_born(const ReplayPlan& plan, const std::vector<at::Tensor>& inputs) {
+  uint64_t oldest = UINT64_MAX;
+  std::lock_guard<std::mutex> lock(storage_mutex());
+  for (int input : plan.live_input) {
+    const StorageState& st = storage_state(inputs[input >= 0 ? input : 0].storage());
+    if (input >= 0 && st.buffer) oldest = std::min(oldest, st.born);
+  }
+  return oldest;
+}
+}  // namespace
+
 std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& plan,
                                                              const std::vector<at::Tensor>& inputs) {
   check_not_forked();
@@ -1068,6 +1132,8 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);  // the inputs' values, and the order of work before this call
+  // After a failed check, the recorded path keeps older values (runtime_checks.h).
+  if (checks_unread(device) && writes_dropped_before(device, oldest_input_born(plan, inputs))) return std::nullopt;
   std::vector<pjrt::BufferPtr> operands;
   operands.reserve(plan.operand_input.size());
   {
@@ -1093,6 +1159,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   for (const auto& b : operands) raw.push_back(b.get());
   pjrt::ExecutablePtr exe = plan.compiled->program->executable();
   auto result = exe->execute(raw);
+  begin_program(device);
   size_t live_count = plan.live_input.size();
   std::vector<c10::Storage> fresh(live_count);
   c10::DeviceGuard on_device(c10::Device(kTpu, static_cast<c10::DeviceIndex>(device)));
@@ -1292,6 +1359,9 @@ void replay_captured(CapturedGraph& cap) {
   run_graph(g);  // work before the replay (new inputs copied into captured tensors) runs first
   std::lock_guard<std::mutex> replay_lock(cap.mutex);
   PendingGraph& r = cap.recording;
+  // After a failed check whose error is unread, a replay would write only
+  // tensors older than it: it writes nothing (runtime_checks.h).
+  if (checks_unread(cap.device) && writes_dropped_before(cap.device, oldest_born(r, cap.live))) return;
   std::vector<pjrt::BufferPtr> operands(r.operands.size());
   bool donate = !cap.donated.empty();
   {
@@ -1331,6 +1401,7 @@ void replay_captured(CapturedGraph& cap) {
   for (const auto& b : operands) raw.push_back(b.get());
   pjrt::ExecutablePtr exe = compiled->program->executable();
   auto result = exe->execute(raw);
+  begin_program(cap.device);
   for (size_t k = 0; k < cap.live.size(); ++k) install_buffer(storage_state(r.storages[cap.live[k]]), result.outputs[k]);
   if (donate) release_donated(operands, cap.donated);
   if (compiled->checks) {
@@ -1345,6 +1416,19 @@ void replay_captured(CapturedGraph& cap) {
 }
 
 const std::string& captured_program_text(const CapturedGraph& cap) { return cap.program_text; }
+
+bool checks_may_fail(int device) {
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  return keep_values_on_failed_checks() && (g.has_checks || checks_unread(device));
+}
+
+void undo_host_state_on_failed_check(int device, std::vector<at::Tensor> targets, std::vector<at::Tensor> saved) {
+  PendingGraph& g = pending_graph(device);
+  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  uint64_t last = current_program(device) + (g.ops.empty() ? 0 : 1);
+  undo_on_failed_check(device, last, std::move(targets), std::move(saved));
+}
 
 void fail_capture(int device, const std::string& why) {
   PendingGraph& g = pending_graph(device);

@@ -34,6 +34,14 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
 // Why the latest run_and_capture() made no plan ("" if it made one).
 std::string replay_refusal();
 
+// Whether a program of `device` may yet fail a runtime check: its pending
+// graph records an op with checks, or a status is unread (runtime_checks.h).
+bool checks_may_fail(int device);
+// Host tensors an optimizer step changed (a CPU step count), restored to
+// `saved` if a check fails in the programs that ran or will run the step's
+// recorded ops (its pending graph, if any, is the next program).
+void undo_host_state_on_failed_check(int device, std::vector<at::Tensor> targets, std::vector<at::Tensor> saved);
+
 // flush_pending() for the cut points (sync(), an optimizer step, the end of a
 // module's inference call): skips a device that is capturing a graph.
 void cut_pending();

@@ -136,6 +136,8 @@ struct GraphValues {
   std::unordered_map<const StorageState*, Value> values;
   // Storages the graph reads before writing: their buffer's type when recorded.
   std::unordered_map<const StorageState*, lowering::TensorType> inputs;
+  // The parameter of each storage read before written (its value before the graph).
+  std::unordered_map<const StorageState*, Value> originals;
   // Operands that are not storages (Scalars, CPU tensors, RNG states): the
   // graph passes each distinct buffer once. `operand_ids` lists, per such
   // operand of the op being emitted, its graph operand index; `params` holds

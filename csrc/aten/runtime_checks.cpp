@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <iterator>
 #include <mutex>
 
@@ -36,56 +39,177 @@ void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::ve
   bool full;
   {
     std::lock_guard<std::mutex> lock(ctx.checks_mutex);
-    ctx.check_statuses.push_back(PendingStatus{std::move(status), std::move(checks), std::move(locations)});
+    ctx.check_statuses.push_back(
+        PendingStatus{std::move(status), ctx.programs.load(), std::move(checks), std::move(locations)});
     full = ctx.check_statuses.size() >= kMaxPending;
   }
   if (full) raise_failed_checks(device);
 }
 
-// Raises the first failed check; other failed ones stay queued for the next
-// wait, so a second bad op's result never reads as if nothing happened.
-void raise_failed_checks(int device) {
-  std::vector<std::pair<DeviceContext*, PendingStatus>> pending;
+namespace {
+std::atomic<bool> g_keep_values{true};
+}  // namespace
+
+bool keep_values_on_failed_checks() { return g_keep_values.load(std::memory_order_relaxed); }
+
+bool set_keep_values_on_failed_checks(bool on) { return g_keep_values.exchange(on); }
+
+uint64_t begin_program(int device) { return ++device_context(device).programs; }
+
+uint64_t current_program(int device) { return device_context(device).programs.load(); }
+
+namespace {
+
+using Pending = std::vector<std::pair<DeviceContext*, PendingStatus>>;
+
+// Takes every pending status of `device` (-1: of every device), in order.
+Pending take_pending(int device) {
+  Pending pending;
   for (DeviceContext* ctx : started_device_contexts()) {
     if (device >= 0 && ctx->index != device) continue;
     std::lock_guard<std::mutex> lock(ctx->checks_mutex);
     for (PendingStatus& p : ctx->check_statuses) pending.emplace_back(ctx, std::move(p));
     ctx->check_statuses.clear();
   }
-  if (pending.empty()) return;
-  const PendingStatus* failed = nullptr;
-  int64_t first[3] = {-1, 0, 0};
-  std::vector<std::pair<DeviceContext*, PendingStatus>> later;
-  for (auto& [ctx, p] : pending) {
-    int64_t status[3] = {-1, 0, 0};
-    ++graph::metrics().check_status_reads;
-    try {
-      p.status->to_host(status);
-    } catch (const pjrt::Error&) {
-      continue;  // the program itself failed: its completion event reports that
-    }
-    if (status[0] < 0) continue;
-    if (failed) {
-      later.emplace_back(ctx, std::move(p));
-      continue;
-    }
-    failed = &p;
-    first[0] = status[0];
-    first[1] = status[1];
-    first[2] = status[2];
-  }
-  if (!failed) return;
-  const CheckInfo& info = failed->checks->at(static_cast<size_t>(first[0]));
-  graph::SourceLocation location = failed->locations.at(info.checked_op);
-  std::string message = c10::str(with_values(info.message, first[1], first[2]), " (in ", info.op, ", recorded at ",
-                                 graph::describe_source_location(location),
-                                 "; found by a check on the device, raised at the next host wait)");
-  for (auto it = later.rbegin(); it != later.rend(); ++it) {  // ahead of newer statuses, in their order
+  return pending;
+}
+
+// Puts statuses back ahead of newer ones, in their order.
+void requeue(Pending& items) {
+  for (auto it = items.rbegin(); it != items.rend(); ++it) {
     std::lock_guard<std::mutex> lock(it->first->checks_mutex);
     it->first->check_statuses.insert(it->first->check_statuses.begin(), std::move(it->second));
   }
-  if (info.error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
+}
+
+// Reads the statuses (waiting for their programs). Returns per status its
+// {failed check or -1, bad value, runtime size}.
+std::vector<std::array<int64_t, 3>> read_statuses(const Pending& pending) {
+  std::vector<std::array<int64_t, 3>> out(pending.size(), {-1, 0, 0});
+  for (size_t k = 0; k < pending.size(); ++k) {
+    ++graph::metrics().check_status_reads;
+    try {
+      pending[k].second.status->to_host(out[k].data());
+    } catch (const pjrt::Error&) {
+      out[k][0] = -1;  // the program itself failed: its completion event reports that
+    }
+  }
+  return out;
+}
+
+// Every check of `ctx`'s programs up to `settled` passed: nothing to undo.
+void forget_undos(DeviceContext& ctx, uint64_t settled) {
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  ctx.failed_program = 0;
+  auto& undos = ctx.host_undos;
+  undos.erase(std::remove_if(undos.begin(), undos.end(), [&](const HostUndo& u) { return u.last_program <= settled; }),
+              undos.end());
+}
+
+// Raising `failed`'s error: host values changed since restore, and writes
+// stay dropped while `next_failed` (0: none) is unread.
+void undo_failed(DeviceContext& ctx, uint64_t failed, uint64_t next_failed) {
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  auto& undos = ctx.host_undos;
+  for (auto it = undos.rbegin(); it != undos.rend(); ++it) {  // newest first: the oldest saved value stays
+    if (it->last_program < failed) continue;
+    for (size_t k = 0; k < it->targets.size(); ++k) it->targets[k].copy_(it->saved[k]);
+  }
+  undos.clear();
+  ctx.failed_program = next_failed;
+}
+
+// The CPU's message for a failed status (no op or line).
+std::string cpu_message(const PendingStatus& p, const std::array<int64_t, 3>& status) {
+  return with_values(p.checks->at(static_cast<size_t>(status[0])).message, status[1], status[2]);
+}
+
+std::string failure_message(const PendingStatus& p, const std::array<int64_t, 3>& status) {
+  const CheckInfo& info = p.checks->at(static_cast<size_t>(status[0]));
+  graph::SourceLocation location = p.locations.at(info.checked_op);
+  return c10::str(cpu_message(p, status), " (in ", info.op, ", recorded at ",
+                  graph::describe_source_location(location),
+                  "; found by a check on the device, raised at the next host wait)");
+}
+
+}  // namespace
+
+// Raises the first failed check; other failed ones stay queued for the next
+// wait, so a second bad op's result never reads as if nothing happened.
+void raise_failed_checks(int device) {
+  std::vector<std::pair<DeviceContext*, uint64_t>> settled;  // programs launched before the statuses are taken
+  for (DeviceContext* ctx : started_device_contexts())
+    if (device < 0 || ctx->index == device) settled.emplace_back(ctx, ctx->programs.load());
+  Pending pending = take_pending(device);
+  std::vector<std::array<int64_t, 3>> status = read_statuses(pending);
+  size_t failed = pending.size();
+  Pending later;  // failed ones after the first, requeued
+  for (size_t k = 0; k < pending.size(); ++k) {
+    if (status[k][0] < 0) continue;
+    if (failed == pending.size()) {
+      failed = k;
+      continue;
+    }
+    // The same bad value found again on the same device (the backward of
+    // the failed op, another op on the same index) is the same error, and
+    // everything since the first was dropped: raised once, as on the CPU.
+    bool same = pending[k].first == pending[failed].first &&
+                cpu_message(pending[k].second, status[k]) == cpu_message(pending[failed].second, status[failed]);
+    if (!same) later.push_back(std::move(pending[k]));
+  }
+  for (auto [ctx, programs] : settled) {
+    if (failed < pending.size() && pending[failed].first == ctx) continue;
+    bool still_failed = std::any_of(later.begin(), later.end(), [&](const auto& l) { return l.first == ctx; });
+    if (!still_failed) forget_undos(*ctx, programs);
+  }
+  if (failed == pending.size()) return;
+  const PendingStatus& first = pending[failed].second;
+  DeviceContext* ctx = pending[failed].first;
+  uint64_t next_failed = 0;
+  for (const auto& l : later)
+    if (l.first == ctx && !next_failed) next_failed = l.second.program;
+  undo_failed(*ctx, first.program, next_failed);
+  std::string message = failure_message(first, status[failed]);
+  lowering::CheckError error = first.checks->at(static_cast<size_t>(status[failed][0])).error;
+  requeue(later);
+  if (error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
   TORCH_CHECK(false, message);
+}
+
+uint64_t writes_dropped_before(int device, uint64_t oldest_born) {
+  if (!keep_values_on_failed_checks()) return 0;
+  DeviceContext& ctx = device_context(device);
+  {
+    std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+    if (ctx.failed_program) return ctx.failed_program;
+    if (ctx.check_statuses.empty() || oldest_born >= ctx.check_statuses.front().program) return 0;
+  }
+  uint64_t programs = ctx.programs.load();
+  Pending pending = take_pending(device);
+  std::vector<std::array<int64_t, 3>> status = read_statuses(pending);
+  auto failed = std::find_if(status.begin(), status.end(), [](const auto& s) { return s[0] >= 0; });
+  if (failed == status.end()) {
+    forget_undos(ctx, programs);
+    return 0;
+  }
+  uint64_t program = pending[static_cast<size_t>(failed - status.begin())].second.program;
+  requeue(pending);  // still raised at the user's next wait
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  ctx.failed_program = program;
+  return program;
+}
+
+bool checks_unread(int device) {
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  return !ctx.check_statuses.empty();
+}
+
+void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
+                          std::vector<at::Tensor> saved) {
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  ctx.host_undos.push_back(HostUndo{last_program, std::move(targets), std::move(saved)});
 }
 
 }  // namespace torch_pjrt

@@ -6,6 +6,9 @@
 // then raises the CPU's error naming the op and the user's line that recorded it. One mechanism for every
 // mode; nothing waits just for a check.
 #pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,12 +36,20 @@ void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::R
 // A program's status not yet read, kept in its device's context.
 struct PendingStatus {
   pjrt::BufferPtr status;
+  uint64_t program = 0;  // the program that returned it (begin_program)
   CheckInfos checks;
   std::vector<graph::SourceLocation> locations;
 };
 
+// Host values to restore if a check of a program up to last_program fails.
+struct HostUndo {
+  uint64_t last_program = 0;
+  std::vector<at::Tensor> targets, saved;
+};
+
 // Keeps a program's status until the next wait on `device`, with the user's
 // line of each of its ops with checks (indexed by CheckInfo::checked_op).
+// The program is the one begin_program last numbered on `device`.
 void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations);
 
 // At a host wait: reads every pending status of `device` (-1: of every
@@ -46,5 +57,37 @@ void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::ve
 // as the CPU would (IndexError or RuntimeError). Those pending lists are
 // empty afterwards either way.
 void raise_failed_checks(int device = -1);
+
+// ---- Nothing written after a failed check ----
+// A failed check must leave every tensor that existed before it unchanged
+// until its error is raised, so that a user who catches the error and skips
+// the batch loses nothing. Inside one program, writes are selected on the
+// program's own checks (fused_graph.cpp's compile_graph). Across programs,
+// programs are numbered per device as they launch, a storage remembers the
+// program that gave it its first buffer (StorageState::born), and a program
+// that overwrites a storage born before an unread status first reads the
+// pending statuses (a wait, only then). When one failed, writes to storages
+// born before it are dropped until the error is raised at the user's next
+// wait, as before.
+
+// Whether failed checks keep values (default on). Off only to measure what
+// keeping them costs (benchmarks/bench_failed_checks.py); returns the old setting.
+bool keep_values_on_failed_checks();
+bool set_keep_values_on_failed_checks(bool on);
+
+// Numbers the next program launched on `device`; call before installing its outputs.
+uint64_t begin_program(int device);
+// The number of the last program launched on `device`.
+uint64_t current_program(int device);
+// Before a program writes storages whose oldest was born at `oldest_born`:
+// the birth before which its writes must be dropped (0: none; the common case
+// costs a lock and a comparison). May wait for earlier programs.
+uint64_t writes_dropped_before(int device, uint64_t oldest_born);
+// Whether a program of `device` with an unread check status ran.
+bool checks_unread(int device);
+// Host tensors a step changed (a CPU step count): if a check of a program up
+// to `last_program` fails, `targets` get `saved` back when its error is raised.
+void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
+                          std::vector<at::Tensor> saved);
 
 }  // namespace torch_pjrt

@@ -147,6 +147,9 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(py::cast(tensors), py::tuple(ints));
   });
   m.def("_replay_refusal", &replay_refusal, release_gil());
+  m.def("_checks_may_fail", &checks_may_fail, release_gil());
+  m.def("_set_keep_values_on_failed_checks", &set_keep_values_on_failed_checks);
+  m.def("_undo_host_state_on_failed_check", &undo_host_state_on_failed_check, release_gil());
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());

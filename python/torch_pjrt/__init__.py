@@ -155,6 +155,31 @@ def sync() -> None:
     _C._sync()
 
 
+def _host_state(optimizer) -> dict:
+    """Per tpu device, the CPU tensors in the state of its parameters (a capturable=False step count)."""
+    found = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device.type != "tpu":
+                continue
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    found.setdefault(p.device.index or 0, []).append(v)
+    return found
+
+
+def _save_host_state(optimizer, args, kwargs) -> None:
+    # A failed runtime check (a bad index in the batch) leaves every tpu
+    # tensor the step writes unchanged; the step counts an optimizer keeps on
+    # the host are put back too, when the error is raised.
+    optimizer.__dict__.pop("_tpu_host_state", None)
+    if torch.compiler.is_compiling() or _C._is_in_bad_fork():
+        return
+    saved = {d: (ts, [t.clone() for t in ts]) for d, ts in _host_state(optimizer).items() if _C._checks_may_fail(d)}
+    if saved:
+        optimizer.__dict__["_tpu_host_state"] = saved
+
+
 def _end_of_step(optimizer, args, kwargs) -> None:
     # Fused mode cuts graphs at optimizer steps: every training step is then
     # the same graph, compiled once, whatever the loop reads in between.
@@ -162,8 +187,11 @@ def _end_of_step(optimizer, args, kwargs) -> None:
         return
     if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
+    for device, (targets, saved) in optimizer.__dict__.pop("_tpu_host_state", {}).items():
+        _C._undo_host_state_on_failed_check(device, targets, saved)
 
 
+register_optimizer_step_pre_hook(_save_host_state)
 register_optimizer_step_post_hook(_end_of_step)
 
 

@@ -145,13 +145,15 @@ def test_idle_daemon_thread_does_not_delay_the_exit():
 
 
 # ------------------------------------------------ a failed index check's writes
-# What a program whose runtime index check failed leaves behind (docs/architecture.md,
-# "Runtime checks"): the error comes at the next wait; the written tensor holds the
-# in-range updates, and the out-of-range ones are dropped, never clamped onto another
-# element. (The CPU raises partway through its loop: the elements before the bad index
-# are written there.) The device keeps working and reports the error once.
+# What a program whose runtime index check failed leaves behind
+# (docs/design/runtime-checks.md): the error comes at the next wait, and a tensor
+# that had a value keeps it: none of the op's updates is written, in-range or not,
+# never one clamped onto another element. (The CPU raises partway through its loop:
+# the elements before the bad index are written there.) The device keeps working
+# and reports the error once.
 import torch  # noqa: E402
 
+import torch_pjrt  # noqa: E402
 from conftest import DEVICE  # noqa: E402
 
 
@@ -164,18 +166,18 @@ def _write(op, x, idx, src):
 
 
 @pytest.mark.parametrize("op", ["index_put_", "scatter_", "index_copy_"])
-def test_failed_index_check_drops_only_the_bad_writes(op):
+def test_failed_index_check_writes_nothing(op):
     idx = [0, 1, 9, 3]
     src = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    x = torch.zeros(6, device=DEVICE)
+    before = torch.arange(6.0)
+    x = before.to(DEVICE)
+    torch_pjrt.sync()  # x has its value before the op's program or graph
     with pytest.raises((IndexError, RuntimeError), match="out of"):
         _write(op, x, torch.tensor(idx, device=DEVICE), src.to(DEVICE))
         x.cpu()  # the next wait, in modes that do not wait at the op
-    got = x.cpu()
-    # CPU reference for the in-range updates alone: what is written, and nothing else.
-    expected = torch.zeros(6)
-    keep = [i for i, j in enumerate(idx) if j < 6]
-    _write(op, expected, torch.tensor([idx[i] for i in keep]), src[keep])
-    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x.cpu(), before, rtol=0, atol=0)
     # Reported once, and the device goes on.
-    torch.testing.assert_close((x + 1).cpu(), expected + 1)
+    torch.testing.assert_close((x + 1).cpu(), before + 1)
+    keep = [i for i, j in enumerate(idx) if j < 6]
+    _write(op, x, torch.tensor([idx[i] for i in keep], device=DEVICE), src[keep].to(DEVICE))
+    torch.testing.assert_close(x.cpu(), _write(op, before.clone(), torch.tensor([idx[i] for i in keep]), src[keep]))

@@ -1,0 +1,156 @@
+"""A step whose runtime check fails (a bad index in the batch) changes nothing.
+
+The check's error (the CPU's IndexError, say) is raised at the next host wait,
+after the optimizer step that followed the bad op was recorded or run. Every
+tensor that step writes (parameters, optimizer state, the step count, on the
+device or on the host) keeps its value, so a user who catches the error and
+skips the batch trains on exactly as a CPU run that skipped it.
+"""
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_pjrt
+
+pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
+
+VOCAB, CLASSES = 11, 3
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.out = nn.Linear(8, CLASSES)
+
+    def forward(self, tokens, targets):
+        logits = self.out(torch.tanh(self.emb(tokens)).mean(1))
+        return -logits.log_softmax(-1).gather(1, targets[:, None]).mean()  # a gather index: the targets
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def batch(seed, bad=None):
+    g = torch.Generator().manual_seed(seed)
+    tokens, targets = torch.randint(0, VOCAB, (4, 5), generator=g), torch.randint(0, CLASSES, (4,), generator=g)
+    if bad == "embedding":
+        tokens[2, 3] = VOCAB
+    elif bad == "gather":
+        targets[1] = CLASSES
+    return tokens, targets
+
+
+def record_step(model, opt, tokens, targets, mode):
+    opt.zero_grad()
+    loss = model(tokens, targets)
+    loss.backward()
+    if mode == "lazy":
+        torch_pjrt.optimizer_step(opt)
+    else:
+        opt.step()  # fused mode runs the step's graph here
+    return loss
+
+
+def snapshot(model, opt):
+    params = list(model.parameters())
+    out = {f"param{i}": p.detach().cpu().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        out.update({f"{i}.{k}": v.detach().cpu().clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def assert_same_state(got, expected):
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k].to(got[k].dtype), rtol=1e-4, atol=1e-6, msg=k)
+
+
+def cpu_error(bad):
+    model = make_model()
+    with pytest.raises(Exception) as info:
+        model(*batch(0, bad))
+    return info.type, str(info.value)
+
+
+def cpu_run(batches):
+    """The same training on the CPU (capturable or not: the same math) over `batches`."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for tokens, targets in batches:
+        record_step(model, opt, tokens, targets, "strict").item()
+    return snapshot(model, opt)
+
+
+MODES = ["fused", "strict", "lazy", "debug"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("capturable", [True, False])
+@pytest.mark.parametrize("bad", ["embedding", "gather"])
+def test_a_failed_check_leaves_the_step_undone(mode, capturable, bad):
+    """The error is read after the optimizer step that followed the bad op: that step writes nothing."""
+    error_type, error_message = cpu_error(bad)
+    batches = [batch(seed) for seed in range(5)]
+    batches[2] = batch(2, bad)
+    with torch_pjrt.mode(mode):
+        model = make_model().to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=capturable)
+        for k, (tokens, targets) in enumerate(batches):
+            if k != 2:
+                record_step(model, opt, tokens.to("tpu"), targets.to("tpu"), mode).item()
+                continue
+            before = snapshot(model, opt)
+            with pytest.raises(error_type) as info:
+                record_step(model, opt, tokens.to("tpu"), targets.to("tpu"), mode).item()
+            assert error_message in str(info.value)
+            assert_same_state(snapshot(model, opt), before)  # exactly as before the failed step
+        final = snapshot(model, opt)
+    assert_same_state(final, cpu_run(batches[:2] + batches[3:]))
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("capturable", [True, False])
+def test_steps_after_a_failed_check_write_nothing_until_its_error_is_raised(mode, capturable):
+    """A loop that reads every other step: the good step after the bad one is dropped too, then training goes on."""
+    batches = [batch(seed) for seed in range(7)]
+    batches[2] = batch(2, "embedding")
+    with torch_pjrt.mode(mode):
+        model = make_model().to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=capturable)
+        raised = []
+        for k in range(0, len(batches), 2):
+            losses = [record_step(model, opt, t.to("tpu"), y.to("tpu"), mode) for t, y in batches[k:k + 2]]
+            try:
+                torch.tpu.synchronize(); line = inspect.currentframe().f_lineno  # noqa: E702
+            except IndexError as e:
+                raised.append((k, str(e)))
+            else:
+                [loss.item() for loss in losses]
+        assert [k for k, _ in raised] == [2]
+        assert "index out of range in self" in raised[0][1]
+        assert f"{__file__}:" in raised[0][1] and f":{line}" not in raised[0][1]  # names the model's line
+        final = snapshot(model, opt)
+    assert_same_state(final, cpu_run(batches[:2] + batches[4:]))
+
+
+def test_an_in_place_update_in_the_failed_graph_is_kept_out():
+    """Inside one fused graph: a tensor updated after the bad op keeps its value; a new one is computed."""
+    cpu = torch.randn(VOCAB, 4)
+    with torch_pjrt.mode("fused"):
+        w = cpu.to("tpu")
+        torch_pjrt.sync()
+        rows = w[torch.tensor([1, VOCAB], device="tpu")]
+        w.mul_(2)
+        fresh = torch.ones(3, device="tpu") * 3
+        with pytest.raises(IndexError):
+            torch.tpu.synchronize()
+        torch.testing.assert_close(w.cpu(), cpu, rtol=0, atol=0)
+        torch.testing.assert_close(fresh.cpu(), torch.full((3,), 3.0))
+        del rows
+        w.mul_(2)  # the device goes on
+        torch.testing.assert_close(w.cpu(), cpu * 2, rtol=0, atol=0)
