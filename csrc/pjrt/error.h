@@ -29,10 +29,15 @@ template <typename... Parts>
 }
 
 // Plugin::check writes a PJRT error's code into its message as "(PJRT error
-// code N)"; RESOURCE_EXHAUSTED (8) is running out of device memory. Messages
-// travel further as text (a fused graph's error names the user's lines).
+// code N)"; RESOURCE_EXHAUSTED (8) is running out of device memory. An
+// allocation failing while a program runs reaches us through its completion
+// event as INTERNAL with XLA's "Out of memory allocating N bytes" (or
+// "RESOURCE_EXHAUSTED: ..." in the text). Messages travel further as text (a
+// fused graph's error names the user's lines), so the test reads the text.
 inline bool is_out_of_memory(const std::string& message) {
-  return message.find("(PJRT error code 8)") != std::string::npos;
+  for (const char* marker : {"(PJRT error code 8)", "Out of memory", "out of memory", "RESOURCE_EXHAUSTED"})
+    if (message.find(marker) != std::string::npos) return true;
+  return false;
 }
 
 }  // namespace torch_pjrt::pjrt
