@@ -110,10 +110,11 @@ def _patch_state(module) -> None:
             world = _world_size()
             if world > 1 and self.distributed_type == DistributedType.NO and not cpu \
                     and getattr(self, "device", None) is not None and self.device.type == "tpu":
+                device = self.device
                 PartialState._reset_state()  # no half-made state for a retry in this process
                 raise RuntimeError(
                     f"torch_pjrt: this process was launched as one of WORLD_SIZE={world}, but accelerate set it up "
-                    f"non-distributed (DistributedType.NO) on {self.device}: it would train alone on its share of "
+                    f"non-distributed (DistributedType.NO) on {device}: it would train alone on its share of "
                     "the data. LOCAL_RANK="
                     f"{os.environ.get('LOCAL_RANK')!r}: launch with `torchrun --nproc-per-node N` or "
                     "`accelerate launch --num_processes N` (which set LOCAL_RANK, RANK, WORLD_SIZE), and import "

@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--api", choices=["accelerate", "trainer"], required=True)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--out", default="")
+parser.add_argument("--compile", action="store_true", help="Trainer(torch_compile_backend='tpu')")
 args = parser.parse_args()
 
 GLOBAL_BATCH = 8
@@ -61,6 +62,7 @@ def check_distributed(state, model, failures):
             failures.append("torch.distributed is not initialized with the world size")
         elif "tpu_dist" not in str(dist.get_backend_config()):
             failures.append(f"process group backend {dist.get_backend_config()}")
+        model = getattr(model, "_orig_mod", model)  # compiled around DDP
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             failures.append(f"model is a {type(model).__name__}, not DDP")
 
@@ -126,11 +128,14 @@ def run_trainer(failures):
     targs = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=GLOBAL_BATCH // world,
                               max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no",
                               max_grad_norm=0.0, seed=0, data_seed=0, disable_tqdm=True,
-                              dataloader_num_workers=0)
+                              dataloader_num_workers=0,
+                              torch_compile_backend="tpu" if args.compile else None)
     trainer = Trainer(model=model, args=targs, train_dataset=Rows(), optimizers=(opt, sched))
     trainer.train()
     check_distributed(trainer.accelerator.state, trainer.model_wrapped, failures)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if args.compile and not hasattr(trainer.model_wrapped, "_orig_mod"):
+        failures.append(f"torch_compile_backend='tpu' did not compile the model ({type(trainer.model_wrapped)})")
     if len(losses) != args.steps:
         failures.append(f"{len(losses)} logged losses, expected {args.steps}")
     if args.out and trainer.accelerator.is_main_process:
