@@ -95,6 +95,8 @@ if torch.distributed.is_available():
     _distributed.register()  # the c10d backend "tpu_dist"
 else:
     _distributed = None
+from . import _accelerate
+_accelerate.install()  # accelerate / the HF Trainer on tpu: data-parallel under torchrun and `accelerate launch`
 
 
 def _print_from_host() -> None:

@@ -1,0 +1,251 @@
+"""accelerate, and so the HF Trainer, on `tpu`: data-parallel under torchrun / `accelerate launch`.
+
+accelerate picks its distributed type from a fixed table of device types (TORCH_DISTRIBUTED_BACKENDS in
+accelerate/utils/constants.py) and `DistributedType(f"MULTI_{type}")`. Without a `tpu` entry a process started
+by torchrun with WORLD_SIZE=2 becomes DistributedType.NO and trains alone on its half of the launch. This
+module, installed by `import torch_pjrt`, adjusts accelerate when (and if) its modules are imported; the user's
+script does not change (see docs/design/distributed.md, "accelerate and the HF Trainer"):
+
+- `tpu` -> `tpu_dist` in TORCH_DISTRIBUTED_BACKENDS, and the value MULTI_TPU looks up DistributedType.MULTI_GPU:
+  accelerate's generic accelerator path (init_process_group, DDP wrapping, gather/reduce, barrier, RNG sync,
+  FSDP, mixed precision). Its every other MULTI_* member is listed in inline tuples all over accelerate, so a
+  new member would be left out of all of them; MULTI_GPU's only CUDA-specific step, set_device, is replaced.
+- PartialState.set_device: tpu:(LOCAL_RANK % device count) (what distributed.py binds at import).
+- PartialState.wait_for_everyone: the barrier on this process's device, not on tpu:(local rank).
+- Accelerator.prepare_model: DDP's device_ids is the process's device index, not its local rank (on the
+  CPU plugin every process owns tpu:0; accelerate assumes the CUDA layout, local rank r on device r).
+- `accelerate launch --num_processes N` with one visible device runs N processes (each process opens its own
+  devices), where accelerate would start a single one.
+- DynamoBackend gets TPU: Trainer(torch_compile_backend="tpu") / `--dynamo_backend tpu`.
+- The safety net: a process on `tpu` with WORLD_SIZE > 1 that accelerate left non-distributed raises.
+- accelerate refuses fp16 on `tpu` inside Accelerator.__init__ (it assumes TorchTPU's missing GradScaler op);
+  that check cannot be reached from outside, so the refusal is re-raised with the working alternatives.
+
+Nothing here imports accelerate: a post-import hook on sys.meta_path patches its modules as they load.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import os
+import sys
+import warnings
+
+import torch
+
+_BACKEND = "tpu_dist"
+_FP16_REFUSAL = "fp16 mixed precision is not supported on 'tpu'"
+
+
+def _on_tpu() -> bool:
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == "tpu"
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _wrap(owner, name: str, make):
+    """Replaces owner.name by make(original) once (a module imported twice, or install() run twice, keeps one)."""
+    original = owner.__dict__.get(name)
+    if original is None or getattr(original, "_torch_pjrt_wrapped", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._torch_pjrt_wrapped = True
+    setattr(owner, name, wrapper)
+
+
+def _add_enum_member(cls, name: str, value: str) -> None:
+    """A new member of a str-valued Enum, found by value, by name and by iteration (Python keeps no API for it)."""
+    if value in cls._value2member_map_:
+        return
+    member = cls._member_type_.__new__(cls, value) if cls._member_type_ is not object else object.__new__(cls)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = cls
+    cls._member_names_.append(name)
+    cls._member_map_[name] = member
+    cls._value2member_map_[value] = member
+    type.__setattr__(cls, name, member)  # EnumType.__setattr__ refuses to rebind members; this is a new one
+
+
+# -- the patches, one per accelerate module --------------------------------------------------------------
+
+
+def _patch_tables() -> None:
+    """The device table and the enums (accelerate.utils.constants and .dataclasses, loaded by accelerate.state)."""
+    constants = sys.modules.get("accelerate.utils.constants")
+    dataclasses = sys.modules.get("accelerate.utils.dataclasses")
+    if constants is not None and torch.distributed.is_available():
+        constants.TORCH_DISTRIBUTED_BACKENDS.setdefault("tpu", _BACKEND)
+    if dataclasses is not None:
+        DistributedType = dataclasses.DistributedType
+        # _prepare_backend's DistributedType("MULTI_TPU") finds the generic accelerator type.
+        DistributedType._value2member_map_.setdefault("MULTI_TPU", DistributedType.MULTI_GPU)
+        _add_enum_member(dataclasses.DynamoBackend, "TPU", "TPU")
+
+
+def _patch_state(module) -> None:
+    _patch_tables()
+    PartialState = module.PartialState
+    DistributedType = module.DistributedType
+
+    def make_set_device(original):
+        def set_device(self):
+            if self.device is None and self.distributed_type == DistributedType.MULTI_GPU and not self._cpu \
+                    and _on_tpu():
+                index = self.local_process_index % max(torch.tpu.device_count(), 1)
+                torch.tpu.set_device(index)
+                self.device = torch.device("tpu", index)
+                return
+            return original(self)
+        return set_device
+
+    def make_init(original):
+        def __init__(self, cpu: bool = False, **kwargs):
+            original(self, cpu, **kwargs)
+            world = _world_size()
+            if world > 1 and self.distributed_type == DistributedType.NO and not cpu \
+                    and getattr(self, "device", None) is not None and self.device.type == "tpu":
+                device = self.device
+                PartialState._reset_state()  # no half-made state for a retry in this process
+                raise RuntimeError(
+                    f"torch_pjrt: this process was launched as one of WORLD_SIZE={world}, but accelerate set it up "
+                    f"non-distributed (DistributedType.NO) on {device}: it would train alone on its share of "
+                    "the data. LOCAL_RANK="
+                    f"{os.environ.get('LOCAL_RANK')!r}: launch with `torchrun --nproc-per-node N` or "
+                    "`accelerate launch --num_processes N` (which set LOCAL_RANK, RANK, WORLD_SIZE), and import "
+                    "torch_pjrt (or install it, so that `import torch` loads it) before accelerate creates its "
+                    "state. See docs/design/distributed.md.")
+        return __init__
+
+    def make_wait(original):
+        def wait_for_everyone(self):
+            # accelerate's barrier names device [local rank], which on tpu need not exist: name this process's.
+            if self.distributed_type in (DistributedType.MULTI_GPU, DistributedType.FSDP) \
+                    and getattr(self, "device", None) is not None and self.device.type == "tpu":
+                torch.distributed.barrier(device_ids=[self.device.index])
+                return
+            return original(self)
+        return wait_for_everyone
+
+    _wrap(PartialState, "set_device", make_set_device)
+    _wrap(PartialState, "wait_for_everyone", make_wait)
+    _wrap(PartialState, "__init__", make_init)
+
+
+def _patch_accelerator(module) -> None:
+    _patch_tables()
+    Accelerator = module.Accelerator
+
+    def make_prepare_model(original):
+        def prepare_model(self, model, *args, **kwargs):
+            prepared = original(self, model, *args, **kwargs)
+            ddp = getattr(prepared, "_orig_mod", prepared)  # torch.compile'd after wrapping
+            device = self.device
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and device.type == "tpu" \
+                    and ddp.device_ids is not None and ddp.device_ids != [device.index]:
+                # accelerate passes device_ids=[local rank]; DDP only moves inputs to device_ids[0].
+                ddp.device_ids = [device.index]
+                ddp.output_device = device.index
+            return prepared
+        return prepare_model
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            try:
+                original(self, *args, **kwargs)
+            except ValueError as e:
+                if _FP16_REFUSAL not in str(e):
+                    raise
+                raise ValueError(
+                    "accelerate refuses fp16 mixed precision on 'tpu' in Accelerator.__init__ (it assumes TorchTPU, "
+                    "whose GradScaler lacks _amp_foreach_non_finite_check_and_unscale_); torch_pjrt's tpu has that "
+                    "op, but the check cannot be changed from outside accelerate. Use bf16 (mixed_precision='bf16', "
+                    "TrainingArguments(bf16=True), `accelerate launch --mixed_precision bf16`), which needs no loss "
+                    "scaling, or a loop of your own with torch.autocast('tpu', dtype=torch.float16) and "
+                    "torch.amp.GradScaler('tpu').") from e
+        return __init__
+
+    _wrap(Accelerator, "prepare_model", make_prepare_model)
+    _wrap(Accelerator, "__init__", make_init)
+
+
+def _patch_launch(module) -> None:
+    _patch_tables()
+
+    def make_validate(original):
+        def _validate_launch_command(args):
+            args, defaults, mp_from_config = original(args)
+            # accelerate starts N processes only when it sees more than one device; on tpu each process opens its
+            # own (the CPU plugin: its own client), so N processes asked for are N processes run.
+            alone = not (args.multi_gpu or args.tpu or args.use_deepspeed or args.use_fsdp
+                         or getattr(args, "use_megatron_lm", False) or args.cpu or getattr(args, "use_cpu", False))
+            if alone and (args.num_processes or 1) > 1 and _on_tpu():
+                args.multi_gpu = True
+            return args, defaults, mp_from_config
+        return _validate_launch_command
+
+    _wrap(module, "_validate_launch_command", make_validate)
+
+
+_PATCHES = {
+    "accelerate.state": _patch_state,
+    "accelerate.accelerator": _patch_accelerator,
+    "accelerate.commands.launch": _patch_launch,
+}
+
+
+def _apply(name: str, module) -> None:
+    try:
+        _PATCHES[name](module)
+    except Exception as e:  # a changed accelerate: say so; the safety net may still be in place
+        warnings.warn(f"torch_pjrt: could not adapt {name} for tpu ({type(e).__name__}: {e}); distributed training "
+                      "through accelerate may not work on tpu", RuntimeWarning, stacklevel=2)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, name):
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _apply(self._name, module)
+
+    def __getattr__(self, attr):  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self._loader, attr)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the patched modules through the other finders and runs the patch after the module's own code."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, name)
+        return spec
+
+
+def install() -> None:
+    """Patches the accelerate modules already imported and those imported later."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    for name in _PATCHES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _apply(name, module)
