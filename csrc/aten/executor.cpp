@@ -1294,6 +1294,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   pjrt::LoadedExecutable::Result result;
   std::vector<pjrt::BufferPtr> replaced;  // old buffers, released after the lock
   ProfileScope profile([&] { return std::pair{"torch_pjrt::execute(" + op_name(call.schema) + ")", op_name(call.schema)}; });
+  uint64_t program = 0;
   {
     // One step for every other thread: read the operands, enqueue, install.
     std::lock_guard<std::mutex> lock(storage_mutex());
@@ -1304,7 +1305,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       buffers.push_back(holders[i].get());
     }
     result = exe->execute(buffers);
-    const uint64_t program = begin_program(call.device);
+    program = begin_program(call.device);
     size_t produced = 0;
     for (const at::Tensor& t : outs) {
       if (!t.defined()) continue;
@@ -1316,7 +1317,8 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
       st.lost.reset();
     }
   }
-  if (cached.checks) defer_checks(call.device, result.outputs.back(), cached.checks, {graph::capture_source_location()});
+  if (cached.checks)
+    defer_checks(call.device, program, result.outputs.back(), cached.checks, {graph::capture_source_location()});
   ++metrics().executions;
   graph::count_lowered_op(op_name(call.schema));
   if (profile.active() && result.done) result.done->wait();
@@ -1430,8 +1432,8 @@ void cpu_fallback_aliased(const c10::OperatorHandle& op, torch::jit::Stack* stac
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   check_written_on_device(op.schema(), *stack);
   flush_pending();
-  if (written_shares_storage(op.schema(), *stack)) return cpu_fallback_aliased(op, stack);
-  at::native::cpu_fallback(op, stack);
+  if (written_shares_storage(op.schema(), *stack)) cpu_fallback_aliased(op, stack);
+  else at::native::cpu_fallback(op, stack);
   // Counted once it ran: when the CPU kernel raises (a shape error the meta
   // kernel saw first), that is the user's error, not an op running on the CPU.
   note_cpu_fallback(op_name(op.schema()), why);

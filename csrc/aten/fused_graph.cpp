@@ -745,7 +745,7 @@ void run_graph(PendingGraph& g) {
     ProfileScope profile([&] { return graph_profile(g, "execute"); });
     exe = compiled->program->executable();
     auto result = exe->execute(buffers);
-    begin_program(g.device);
+    const uint64_t program = begin_program(g.device);
     if ((first_run || profile.active()) && result.done) {
       result.done->wait();
       compiled->ran_once = true;
@@ -754,7 +754,7 @@ void run_graph(PendingGraph& g) {
     if (compiled->checks) {
       std::vector<graph::SourceLocation> locations;
       for (size_t k : compiled->checked_ops) locations.push_back(g.ops[k].location);
-      defer_checks(g.device, result.outputs[live.size()], compiled->checks, std::move(locations));
+      defer_checks(g.device, program, result.outputs[live.size()], compiled->checks, std::move(locations));
     }
     for (auto [operand, output] : donated) {
       ++metrics().donated_buffers;
@@ -1112,8 +1112,9 @@ uint64_t oldest_input_born(const ReplayPlan& plan, const std::vector<at::Tensor>
   uint64_t oldest = UINT64_MAX;
   std::lock_guard<std::mutex> lock(storage_mutex());
   for (int input : plan.live_input) {
-    const StorageState& st = storage_state(inputs[input >= 0 ? input : 0].storage());
-    if (input >= 0 && st.buffer) oldest = std::min(oldest, st.born);
+    if (input < 0) continue;  // a fresh output: nothing older to keep
+    const StorageState& st = storage_state(inputs[input].storage());
+    if (st.buffer) oldest = std::min(oldest, st.born);
   }
   return oldest;
 }
@@ -1159,7 +1160,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   for (const auto& b : operands) raw.push_back(b.get());
   pjrt::ExecutablePtr exe = plan.compiled->program->executable();
   auto result = exe->execute(raw);
-  begin_program(device);
+  const uint64_t program = begin_program(device);
   size_t live_count = plan.live_input.size();
   std::vector<c10::Storage> fresh(live_count);
   c10::DeviceGuard on_device(c10::Device(kTpu, static_cast<c10::DeviceIndex>(device)));
@@ -1177,7 +1178,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   if (plan.compiled->checks) {
     std::vector<graph::SourceLocation> locations;
     for (size_t k : plan.compiled->checked_ops) locations.push_back(plan.locations[k]);
-    defer_checks(device, result.outputs[live_count], plan.compiled->checks, std::move(locations));
+    defer_checks(device, program, result.outputs[live_count], plan.compiled->checks, std::move(locations));
   }
   ++metrics().executions;
   ++metrics().graphs;
@@ -1401,13 +1402,13 @@ void replay_captured(CapturedGraph& cap) {
   for (const auto& b : operands) raw.push_back(b.get());
   pjrt::ExecutablePtr exe = compiled->program->executable();
   auto result = exe->execute(raw);
-  begin_program(cap.device);
+  const uint64_t program = begin_program(cap.device);
   for (size_t k = 0; k < cap.live.size(); ++k) install_buffer(storage_state(r.storages[cap.live[k]]), result.outputs[k]);
   if (donate) release_donated(operands, cap.donated);
   if (compiled->checks) {
     std::vector<graph::SourceLocation> locations;
     for (size_t k : compiled->checked_ops) locations.push_back(r.ops[k].location);
-    defer_checks(cap.device, result.outputs[cap.live.size()], compiled->checks, std::move(locations));
+    defer_checks(cap.device, program, result.outputs[cap.live.size()], compiled->checks, std::move(locations));
   }
   ++metrics().executions;
   ++metrics().graphs;

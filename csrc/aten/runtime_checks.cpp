@@ -34,13 +34,14 @@ void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::R
   for (const auto& c : checks) into.push_back(CheckInfo{c.error, c.message, op, checked_op});
 }
 
-void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations) {
+void defer_checks(int device, uint64_t program, pjrt::BufferPtr status, CheckInfos checks,
+                  std::vector<graph::SourceLocation> locations) {
   DeviceContext& ctx = device_context(device);
   bool full;
   {
     std::lock_guard<std::mutex> lock(ctx.checks_mutex);
     ctx.check_statuses.push_back(
-        PendingStatus{std::move(status), ctx.programs.load(), std::move(checks), std::move(locations)});
+        PendingStatus{std::move(status), program, std::move(checks), std::move(locations)});
     full = ctx.check_statuses.size() >= kMaxPending;
   }
   if (full) raise_failed_checks(device);
@@ -61,6 +62,14 @@ uint64_t current_program(int device) { return device_context(device).programs.lo
 namespace {
 
 using Pending = std::vector<std::pair<DeviceContext*, PendingStatus>>;
+
+// Taking statuses, reading them and deciding (raise, requeue, mark the failed
+// program, forget undos) is one step: a second thread between a take and a
+// requeue would see no statuses and forget a failure that is still pending.
+std::recursive_mutex& settle_mutex() {
+  static auto* mutex = new std::recursive_mutex();
+  return *mutex;
+}
 
 // Takes every pending status of `device` (-1: of every device), in order.
 Pending take_pending(int device) {
@@ -137,6 +146,7 @@ std::string failure_message(const PendingStatus& p, const std::array<int64_t, 3>
 // Raises the first failed check; other failed ones stay queued for the next
 // wait, so a second bad op's result never reads as if nothing happened.
 void raise_failed_checks(int device) {
+  std::unique_lock<std::recursive_mutex> settling(settle_mutex());
   std::vector<std::pair<DeviceContext*, uint64_t>> settled;  // programs launched before the statuses are taken
   for (DeviceContext* ctx : started_device_contexts())
     if (device < 0 || ctx->index == device) settled.emplace_back(ctx, ctx->programs.load());
@@ -172,6 +182,7 @@ void raise_failed_checks(int device) {
   std::string message = failure_message(first, status[failed]);
   lowering::CheckError error = first.checks->at(static_cast<size_t>(status[failed][0])).error;
   requeue(later);
+  settling.unlock();
   if (error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
   TORCH_CHECK(false, message);
 }
@@ -184,6 +195,12 @@ uint64_t writes_dropped_before(int device, uint64_t oldest_born) {
     if (ctx.failed_program) return ctx.failed_program;
     if (ctx.check_statuses.empty() || oldest_born >= ctx.check_statuses.front().program) return 0;
   }
+  std::lock_guard<std::recursive_mutex> settling(settle_mutex());
+  {
+    std::lock_guard<std::mutex> lock(ctx.checks_mutex);  // another thread may have settled meanwhile
+    if (ctx.failed_program) return ctx.failed_program;
+    if (ctx.check_statuses.empty() || oldest_born >= ctx.check_statuses.front().program) return 0;
+  }
   uint64_t programs = ctx.programs.load();
   Pending pending = take_pending(device);
   std::vector<std::array<int64_t, 3>> status = read_statuses(pending);
@@ -193,9 +210,11 @@ uint64_t writes_dropped_before(int device, uint64_t oldest_born) {
     return 0;
   }
   uint64_t program = pending[static_cast<size_t>(failed - status.begin())].second.program;
+  {
+    std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+    ctx.failed_program = program;
+  }
   requeue(pending);  // still raised at the user's next wait
-  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
-  ctx.failed_program = program;
   return program;
 }
 

@@ -49,8 +49,10 @@ struct HostUndo {
 
 // Keeps a program's status until the next wait on `device`, with the user's
 // line of each of its ops with checks (indexed by CheckInfo::checked_op).
-// The program is the one begin_program last numbered on `device`.
-void defer_checks(int device, pjrt::BufferPtr status, CheckInfos checks, std::vector<graph::SourceLocation> locations);
+// `program` is the number begin_program gave it (passed, not read back: another
+// thread may launch a program on `device` meanwhile).
+void defer_checks(int device, uint64_t program, pjrt::BufferPtr status, CheckInfos checks,
+                  std::vector<graph::SourceLocation> locations);
 
 // At a host wait: reads every pending status of `device` (-1: of every
 // device; their programs ran before this wait) and raises the first failure

@@ -187,10 +187,14 @@ def _end_of_step(optimizer, args, kwargs) -> None:
     # the same graph, compiled once, whatever the loop reads in between.
     if torch.compiler.is_compiling():  # traced by Dynamo: the compiled step is one graph anyway
         return
-    if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
-        _C._sync()
+    global _stepped_since_backward
+    _stepped_since_backward = True
+    # The undo first: it names the program the sync below launches, and a sync
+    # that raises must not lose it.
     for device, (targets, saved) in optimizer.__dict__.pop("_tpu_host_state", {}).items():
         _C._undo_host_state_on_failed_check(device, targets, saved)
+    if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
+        _C._sync()
 
 
 register_optimizer_step_pre_hook(_save_host_state)
@@ -299,8 +303,16 @@ torch.nn.Module._apply = _apply
 # autograd on, then one backward pass per output element) were cut only at the op limit, at a different
 # op each time, so no graph repeated. At an outermost module return with autograd on and at the end of a
 # backward pass, fused mode cuts a graph that is at least half the limit: graphs hold whole iterations.
+# A training loop cuts at its optimizer step instead: a backward end with an
+# optimizer step since the one before it does not cut, so a step of forward,
+# backward and optimizer stays one graph (and one program) whatever its size.
+_stepped_since_backward = True
+
+
 def _after_backward() -> None:
-    if torch.compiler.is_compiling() or _C._get_mode() != "fused" or _C._is_in_bad_fork():
+    global _stepped_since_backward
+    stepped, _stepped_since_backward = _stepped_since_backward, False
+    if stepped or torch.compiler.is_compiling() or _C._get_mode() != "fused" or _C._is_in_bad_fork():
         return
     _C._cut_long()
 
@@ -318,6 +330,8 @@ def _wrap_engine_run_backward() -> None:
 
     run_backward._torch_pjrt = True
     torch.autograd._engine_run_backward = run_backward  # what torch.autograd.backward and grad call
+    # torch's own engine patches (non-strict export) restore the name from here.
+    torch.autograd.graph._engine_run_backward = run_backward
 
 
 _wrap_engine_run_backward()
