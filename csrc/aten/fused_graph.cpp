@@ -194,6 +194,17 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     std::lock_guard<std::mutex> storages(storage_mutex());
     if (!storages_as_keyed(call)) return false;  // another thread wrote a storage first: plan again
   }
+  // What can raise runs before the graph changes (a Scalar its operand's type
+  // cannot hold: addcdiv_(..., value=1j) on a float tensor; a host copy; an
+  // output's allocation or dtype). Raising halfway through the loop below
+  // left the storages it had read as operands that no recorded op lowers, so
+  // the graph's program took fewer parameters than the graph then supplied.
+  std::vector<pjrt::BufferPtr> resolved(cached->operands.size());
+  for (size_t i = 0; i < cached->operands.size(); ++i)
+    if (cached->operands[i].kind != OperandRef::Storage) resolved[i] = operand_buffer(call, cached->operands[i]);
+  std::vector<at::Tensor> outs = output_tensors(call, *cached);
+  for (const at::Tensor& t : outs)
+    if (t.defined()) element_or_throw(t.scalar_type());  // mark_written's
   g.device = call.device;
   // Operands in the order the op's lowering asks for them (see emit()).
   // A buffer that is not a storage (a cached Scalar) is one operand however
@@ -201,9 +212,10 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   // that share operands differently never share a program.
   std::vector<int> operand_ids;
   std::string operand_key;
-  for (const OperandRef& ref : cached->operands) {
+  for (size_t i = 0; i < cached->operands.size(); ++i) {
+    const OperandRef& ref = cached->operands[i];
     if (ref.kind != OperandRef::Storage) {
-      pjrt::BufferPtr buffer = operand_buffer(call, ref);
+      pjrt::BufferPtr buffer = std::move(resolved[i]);
       const int next = static_cast<int>(g.operands.size());
       int id = next;
       bool fresh = true;
@@ -256,7 +268,6 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   for (const c10::IValue& v : call.args) rec.args.push_back(snapshot_value(g, v, rec.key));
   rec.key += operand_key;
   g.key += rec.key;
-  std::vector<at::Tensor> outs = output_tensors(call, *cached);
   for (size_t i = 0; i < outs.size(); ++i) {
     if (!outs[i].defined()) continue;
     mark_written(g, outs[i]);
@@ -383,6 +394,10 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   GraphValues values;
   GraphChecks checks;
   emit_ops(g, b, values, g.ops.size(), &checks);
+  // Run with g.operands as its arguments: a mismatch is this file's bug, named here rather than by the plugin.
+  if (b.parameters().size() != g.operands.size())
+    throw std::logic_error("internal: a fused graph's program takes " + std::to_string(b.parameters().size()) +
+                           " parameters but the graph holds " + std::to_string(g.operands.size()) + " operands");
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();

@@ -295,3 +295,29 @@ def test_out_tensor_the_op_resizes_is_lowered_at_its_new_size(mode):
         assert partial.cpu().tolist() == [1.0, 2.0, 3.0]
         torch.testing.assert_close(mv.cpu(), torch.mvlgamma(x, 5))
         assert torch_pjrt.metrics()["cpu_fallbacks"] == before
+
+
+def _addcdiv_raising_between(device):
+    """An in-place op whose Scalar cannot be converted raises; the next graph reads its tensors' neighbour."""
+    a = torch.arange(4.0, device=device)
+    a.addcdiv_(torch.full((4,), 2.0, device=device), torch.full((4,), 4.0, device=device), value=0.5)
+    a.cpu()  # the op's program is planned; its next call is recorded without planning
+    b = torch.arange(4.0, device=device)
+    u1, u2 = torch.full((4,), 3.0, device=device), torch.full((4,), 6.0, device=device)
+    for t in (b, u1, u2):
+        t.cpu()  # values, outside any pending graph
+    with pytest.raises(RuntimeError, match="cannot be converted"):
+        b.addcdiv_(u1, u2, value=3 + 4.5j)
+    return a.cpu(), (b * 2).cpu(), (u1 + u2).cpu()
+
+
+@pytest.mark.parametrize("mode", ["fused", "lazy"])
+def test_op_raising_while_recorded_leaves_no_operands_in_the_graph(mode):
+    """Recording addcdiv_ read u1 and u2 into the graph's operands before its complex value raised: the
+    next graph supplied them to a program that has no parameter for them (PyTorch's test_foreach, 74
+    buffers for 72). The op must leave the graph as it was, and b keeps its value, as on the CPU."""
+    expected = _addcdiv_raising_between("cpu")
+    with torch_pjrt.mode(mode):
+        actual = _addcdiv_raising_between("tpu")
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
