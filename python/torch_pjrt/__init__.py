@@ -274,10 +274,41 @@ def _update_cut_hooks(module) -> None:
             module.register_forward_pre_hook(_module_enter)
             module.register_forward_hook(_module_exit, always_call=True)
     elif hooked:
-        for hooks, fn in ((module._forward_pre_hooks, _module_enter), (module._forward_hooks, _module_exit)):
-            for key in [k for k, f in hooks.items() if f is fn]:
-                del hooks[key]
-                module._forward_hooks_always_called.pop(key, None)
+        _remove_cut_hooks(module)
+
+
+def _remove_cut_hooks(module) -> bool:
+    """Takes the cut hooks off `module`; whether it had them."""
+    hooked = False
+    for hooks, fn in ((module._forward_pre_hooks, _module_enter), (module._forward_hooks, _module_exit)):
+        for key in [k for k, f in hooks.items() if f is fn]:
+            del hooks[key]
+            module._forward_hooks_always_called.pop(key, None)
+            hooked = True
+    return hooked
+
+
+_jit_script = torch.jit.script
+
+
+@functools.wraps(_jit_script)
+def _script(obj, *args, **kwargs):
+    # TorchScript compiles a module's hooks too, and ours are Python (they keep
+    # per-thread state): script the module without them, then put them back.
+    if not isinstance(obj, torch.nn.Module):
+        return _jit_script(obj, *args, **kwargs)
+    hooked = [m for m in obj.modules() if _module_exit in m._forward_hooks.values()]
+    for m in hooked:
+        _remove_cut_hooks(m)
+    try:
+        return _jit_script(obj, *args, **kwargs)
+    finally:
+        for m in hooked:
+            m.register_forward_pre_hook(_module_enter)
+            m.register_forward_hook(_module_exit, always_call=True)
+
+
+torch.jit.script = _script
 
 
 _applying = threading.local()  # depth of nested Module._apply calls: children are applied inside their parent's

@@ -4,6 +4,7 @@ torch 2.13's Inductor takes device `tpu` for TorchTPU and would generate Pallas 
 graphs that touch a tpu tensor are sent to the `tpu` backend wherever Inductor is entered, and graphs without
 one still reach Inductor. Every result is compared with CPU PyTorch.
 """
+import copy
 import os
 import subprocess
 import sys
@@ -312,3 +313,12 @@ def test_installed_package_lists_tpu_backend_right_after_import_torch(tmp_path):
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_torch_jit_script_of_a_tpu_module_ignores_the_cut_hooks():
+    cpu = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    dev = copy.deepcopy(cpu).to("tpu")
+    scripted = torch.jit.script(dev)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(scripted(x.to("tpu")).cpu(), cpu(x))
+    assert any(fn.__name__ == "_module_exit" for fn in dev._forward_hooks.values())  # the eager module keeps them
