@@ -173,13 +173,16 @@ def test_memory_stats():
 
 
 def test_missing_plugin_is_a_clear_error():
-    code = "import torch_pjrt"
+    # Import warns (it must never break `import torch`, which imports this package when installed); the
+    # first use raises a Python exception naming the setting, not a crash.
+    code = "import torch, torch_pjrt\ntorch.ones(1, device='tpu')"
     env = {"TORCH_PJRT_PLUGIN": "/nonexistent/plugin.so", "PATH": "/usr/bin:/bin"}
     import os
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode != 0
-    assert "no such file" in r.stderr and "Traceback" in r.stderr  # a Python exception, not a crash
+    assert "tpu device is unavailable" in r.stderr  # the warning at import
+    assert "no such file" in r.stderr and "Traceback" in r.stderr and "RuntimeError" in r.stderr
 
 
 def test_broken_plugin_is_a_clear_error(tmp_path):
