@@ -39,7 +39,7 @@ _PROBE = textwrap.dedent(
 
 
 def _peak_above(op: str, check: str) -> int:
-    env = dict(os.environ, TORCH_PJRT_MODE=os.environ.get("TORCH_PJRT_MODE", "fused"))
+    env = dict(os.environ, TORCH_PJRT_MODE=os.environ.get("TORCH_PJRT_MODE", "fused"), PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
         [sys.executable, "-c", _PROBE.format(op=op, check=check), str(N)], capture_output=True, text=True, env=env, timeout=300
     )
