@@ -577,14 +577,12 @@ void clear_graph(PendingGraph& g) {
 
 // The program's results: written storages that something besides the graph
 // still holds and that were not freed since (see resize_storage_after_graph).
-// Appends their ids to *key (null: no key).
-std::vector<int> graph_results(const PendingGraph& g, std::string* key) {
+std::vector<int> graph_results(const PendingGraph& g) {
   std::vector<int> live;
   for (size_t id = 0; id < g.storages.size(); ++id) {
     if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id] &&
         extent_bytes(storage_state(g.storages[id])) > 0) {
       live.push_back(static_cast<int>(id));
-      if (key) *key += std::to_string(id) + ",";
     }
   }
   return live;
@@ -717,17 +715,23 @@ void keep_values_after_failed_check(const PendingGraph& g, std::vector<int>& liv
   }), live.end());
 }
 
-void run_graph(PendingGraph& g) {
-  if (g.ops.empty()) return;
-  check_not_capturing(g, g.device);
-  std::vector<int> live = graph_results(g, nullptr);
-  keep_values_after_failed_check(g, live);
+// The compiled-graph cache's key of `g` run with these results and donations.
+std::string program_key(const PendingGraph& g, const std::vector<int>& live, const std::map<int, int>& donated) {
   std::string key = g.key + "|live:";
   for (int id : live) key += std::to_string(id) + ",";
   if (!keep_values_on_failed_checks()) key += "|unkept";  // a program without the selects (benchmarks)
-  std::map<int, int> donated = donations(g, live);
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
+  return key;
+}
+
+void run_graph(PendingGraph& g) {
+  if (g.ops.empty()) return;
+  check_not_capturing(g, g.device);
+  std::vector<int> live = graph_results(g);
+  keep_values_after_failed_check(g, live);
+  std::map<int, int> donated = donations(g, live);
+  std::string key = program_key(g, live, donated);
   size_t op_count = g.ops.size();
   DeviceContext& ctx = device_context(g.device);
   // Set by a successful run; tracked after the try: tracking may raise an
@@ -1081,14 +1085,10 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
   return plan;
 }
 
-std::vector<int> live_storages(const PendingGraph& g, std::string* key) {
+std::vector<int> live_storages(const PendingGraph& g) {
   std::vector<int> live;
-  for (size_t id = 0; id < g.storages.size(); ++id) {
-    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) {
-      live.push_back(static_cast<int>(id));
-      *key += std::to_string(id) + ",";
-    }
-  }
+  for (size_t id = 0; id < g.storages.size(); ++id)
+    if (g.written[id] && g.storages[id].use_count() > 1 + g.snapshot_refs[id]) live.push_back(static_cast<int>(id));
   return live;
 }
 }  // namespace
@@ -1100,11 +1100,9 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   if (g.ops.empty()) return nullptr;
   // The key run_graph() gives this graph (same live set and donations).
-  std::string key = g.key + "|live:";
-  std::vector<int> live = live_storages(g, &key);
+  std::vector<int> live = live_storages(g);
   std::map<int, int> donated = donations(g, live);
-  key += "|donate:";
-  for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
+  std::string key = program_key(g, live, donated);
   std::shared_ptr<ReplayPlan> plan = plan_replay(g, inputs, outputs, live);
   run_graph(g);
   if (!plan) return nullptr;
@@ -1347,7 +1345,7 @@ std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
     uint64_t count = static_cast<uint64_t>(r.operand_rng_count[k]);
     cap->rng_span = std::max(cap->rng_span, state[1] - start.offset + rng_numbers_reserved(count));
   }
-  cap->live = graph_results(r, nullptr);
+  cap->live = graph_results(r);
   cap->donated = donations(r, cap->live);
   try {
     if (!r.ops.empty()) cap->compiled = compile_graph(r, cap->live, cap->donated, keep_text ? &cap->program_text : nullptr);
