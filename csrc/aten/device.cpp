@@ -4,6 +4,7 @@
 #include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/exit_gate.h"
+#include "graph/settings.h"
 #include "pjrt/error.h"
 
 #include <ATen/core/CachingHostAllocator.h>
@@ -57,21 +58,16 @@ std::string& unavailable_reason() {
   return reason;
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* value = std::getenv(name);
-  return value && *value ? std::atoll(value) : fallback;
-}
-
 // PJRT_Client_Create rejects options a plugin does not know, so each platform
 // gets its own. The CUDA plugin would otherwise reserve 75% of the GPU at start;
 // growing on demand lets PyTorch's CUDA tensors and JAX share the GPU, as
 // PyTorch's own caching allocator does.
 std::vector<pjrt::CreateOption> client_options(const std::string& platform) {
-  if (platform == "cpu") return {{"cpu_device_count", env_int("TORCH_PJRT_CPU_DEVICES", 1)}};
+  if (platform == "cpu") return {{"cpu_device_count", graph::settings::integer("TORCH_PJRT_CPU_DEVICES", 1)}};
   if (platform == "cuda") {
-    std::vector<pjrt::CreateOption> options{{"preallocate", env_int("TORCH_PJRT_GPU_PREALLOCATE", 0) != 0}};
-    if (const char* fraction = std::getenv("TORCH_PJRT_GPU_MEMORY_FRACTION"); fraction && *fraction)
-      options.push_back({"memory_fraction", static_cast<float>(std::atof(fraction))});
+    std::vector<pjrt::CreateOption> options{{"preallocate", graph::settings::flag("TORCH_PJRT_GPU_PREALLOCATE")}};
+    if (auto fraction = graph::settings::number("TORCH_PJRT_GPU_MEMORY_FRACTION"))
+      options.push_back({"memory_fraction", static_cast<float>(*fraction)});
     return options;
   }
   return {};
@@ -83,10 +79,7 @@ std::vector<pjrt::CreateOption> client_options(const std::string& platform) {
 // $XDG_CACHE_HOME/torch_pjrt, else ~/.cache/torch_pjrt. TORCH_PJRT_CACHE_DIR=""
 // (or 0 / off) keeps compiled programs in memory only.
 std::string compile_cache_dir() {
-  if (const char* dir = std::getenv("TORCH_PJRT_CACHE_DIR")) {
-    std::string value = dir;
-    return value == "0" || value == "off" ? "" : value;
-  }
+  if (auto dir = graph::settings::raw("TORCH_PJRT_CACHE_DIR")) return *dir == "0" || *dir == "off" ? "" : *dir;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/torch_pjrt";
   if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/torch_pjrt";
   return "";
@@ -108,8 +101,7 @@ Runtime& runtime() {
       rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), client_options(configured_platform()));
       std::unique_ptr<graph::DiskCache> disk;
       if (std::string dir = compile_cache_dir(); !dir.empty()) {
-        const char* limit = std::getenv("TORCH_PJRT_CACHE_MAX_BYTES");
-        int64_t max_bytes = limit ? std::atoll(limit) : (int64_t{4} << 30);
+        int64_t max_bytes = graph::settings::integer("TORCH_PJRT_CACHE_MAX_BYTES", 0);
         auto& c = *rt.client;
         std::string identity = c.platform_name() + " " + c.platform_version() + " api " +
                                std::to_string(c.plugin()->api_major()) + "." + std::to_string(c.plugin()->api_minor()) +

@@ -26,6 +26,7 @@
 #include "aten/profiling.h"
 #include "aten/lowering.h"
 #include "graph/metrics.h"
+#include "graph/settings.h"
 #include "graph/source_location.h"
 #include "graph/strided_view.h"
 #include "pjrt/error.h"
@@ -1256,10 +1257,7 @@ void learn_operands(Call& call, CachedOp& cached) {
 // Debug mode with TORCH_PJRT_CHECK_NANS=1: a NaN or Inf in a floating-point
 // result raises at the op that made it.
 void check_finite(const Call& call, const std::vector<at::Tensor>& outs) {
-  static const bool enabled = [] {
-    const char* env = std::getenv("TORCH_PJRT_CHECK_NANS");
-    return env && std::string(env) == "1";
-  }();
+  static const bool enabled = graph::settings::flag("TORCH_PJRT_CHECK_NANS");
   if (!enabled) return;
   for (const at::Tensor& t : outs) {
     if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) continue;

@@ -30,6 +30,7 @@
 #include "aten/executor.h"
 #include "aten/profiling.h"
 #include "graph/metrics.h"
+#include "graph/settings.h"
 #include "graph/source_location.h"
 
 namespace torch_pjrt {
@@ -164,20 +165,14 @@ void finish_run(PendingGraph& g, std::shared_ptr<Work> work, std::string failure
 }
 
 size_t graph_op_limit() {
-  static size_t limit = [] {
-    const char* env = std::getenv("TORCH_PJRT_FUSION_LIMIT");
-    return env ? static_cast<size_t>(std::atoll(env)) : size_t{2000};
-  }();
+  static const size_t limit = static_cast<size_t>(graph::settings::integer("TORCH_PJRT_FUSION_LIMIT", 1));
   return limit;
 }
 
 thread_local bool t_size_cuts = true;
 
 size_t graph_cost_limit() {
-  static size_t limit = [] {
-    const char* env = std::getenv("TORCH_PJRT_FUSION_COST");
-    return env ? static_cast<size_t>(std::atoll(env)) : size_t{8192};
-  }();
+  static const size_t limit = static_cast<size_t>(graph::settings::integer("TORCH_PJRT_FUSION_COST", 1));
   return limit;
 }
 

@@ -18,6 +18,7 @@
 #include "bindings/interpreter_exit.h"
 #include "bindings/python_location.h"
 #include "graph/metrics.h"
+#include "graph/settings.h"
 #include "graph/source_location.h"
 #include "pjrt/error.h"
 
@@ -47,6 +48,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("_configure_plugin", &configure_plugin);
   m.def("_configure_unavailable", &configure_unavailable);
   m.def("_compile_cache_dir", &compile_cache_dir);
+  // The TORCH_PJRT_* settings (graph/settings.h): the table, and typed reads that raise naming the variable.
+  m.def("_settings", [] {
+    py::list rows;
+    for (const auto& s : graph::settings::all())
+      rows.append(py::make_tuple(s.name, s.default_value, s.what, graph::settings::raw(s.name)));
+    return rows;
+  });
+  m.def("_setting_text", &graph::settings::text);
+  m.def("_setting_flag", &graph::settings::flag);
+  m.def("_setting_integer", [](const std::string& name, int64_t minimum) { return graph::settings::integer(name, minimum); });
   register_dist_backend_bindings(m);
   m.def("_register_lowered_kernels", &register_lowered_kernels);
   m.def("_note_cpu_fallback", &note_cpu_fallback);

@@ -1,4 +1,5 @@
 #include "graph/compile_cache.h"
+#include "graph/settings.h"
 
 #include <algorithm>
 #include <chrono>
@@ -62,11 +63,11 @@ namespace {
 // TORCH_PJRT_DUMP_DIR: every program compiled is also written there as
 // <hash>.mlir, to read what XLA was given. Best effort: errors are ignored.
 void dump_program(const std::string& program) {
-  static const char* dir = std::getenv("TORCH_PJRT_DUMP_DIR");
-  if (!dir || !*dir) return;
+  static const std::string dir = settings::text("TORCH_PJRT_DUMP_DIR");
+  if (dir.empty()) return;
   char name[32];
   std::snprintf(name, sizeof(name), "%016llx.mlir", static_cast<unsigned long long>(fnv1a(program)));
-  std::ofstream(std::string(dir) + "/" + name) << program;
+  std::ofstream(dir + "/" + name) << program;
 }
 
 }  // namespace
@@ -86,26 +87,13 @@ void dump_program(const std::string& program) {
 pjrt::CompileOptions CompileCache::options(Effort effort) const {
   pjrt::CompileOptions options;
   options.overrides.emplace_back("xla_allow_excess_precision", false);
-  static const bool tuning = [] {
-    const char* env = std::getenv("TORCH_PJRT_XLA_TUNING");
-    return !env || std::string(env) != "0";
-  }();
+  static const bool tuning = settings::flag("TORCH_PJRT_XLA_TUNING");
   if (!tuning || client_->platform_name() != "cpu") return options;
   if (effort == Effort::Quick) options.overrides.emplace_back("xla_backend_optimization_level", int64_t{0});
   return options;
 }
 
 namespace {
-
-// A positive integer from the environment, else `fallback`.
-int64_t positive_env(const char* name, int64_t fallback) {
-  const char* env = std::getenv(name);
-  if (!env || !*env) return fallback;
-  char* end = nullptr;
-  long long n = std::strtoll(env, &end, 10);
-  if (*end || n < 1) throw pjrt::Error(std::string(name) + " must be a positive integer, got '" + env + "'");
-  return n;
-}
 
 // Lines of /proc/self/maps (-1 where there is none): what vm.max_map_count limits.
 int64_t process_memory_maps() {
@@ -123,7 +111,7 @@ int64_t process_memory_maps() {
 
 CompileCache::Limits CompileCache::limits_from_env() {
   Limits limits;
-  limits.programs = positive_env("TORCH_PJRT_MAX_LOADED_PROGRAMS", limits.programs);
+  limits.programs = settings::integer("TORCH_PJRT_MAX_LOADED_PROGRAMS", 1);
   // A POSIX read: the first stream use at start-up is where a _C.so built by a
   // g++ carrying its own libstdc++ locale code crashed (docs/design/gpu.md).
   if (int fd = ::open("/proc/sys/vm/max_map_count", O_RDONLY); fd >= 0) {
@@ -133,7 +121,8 @@ CompileCache::Limits CompileCache::limits_from_env() {
     int64_t max_map_count = n > 0 ? std::strtoll(text, nullptr, 10) : 0;
     if (max_map_count > 1) limits.maps = max_map_count / 2;
   }
-  limits.maps = positive_env("TORCH_PJRT_MAX_LOADED_MAPS", limits.maps);
+  if (settings::raw("TORCH_PJRT_MAX_LOADED_MAPS").value_or("") != "")
+    limits.maps = settings::integer("TORCH_PJRT_MAX_LOADED_MAPS", 1);
   return limits;
 }
 

@@ -31,6 +31,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _C
+from . import _settings
 from ._plugins import find_plugin, platform_of, prepare_environment
 from . import device_module
 from . import _decompositions
@@ -60,7 +61,7 @@ def _make_unavailable(reason: str) -> None:
 
 
 def _configure_plugin() -> None:
-    plugin = os.environ.get("TORCH_PJRT_PLUGIN", "cpu")
+    plugin = _settings.text("TORCH_PJRT_PLUGIN")
     try:
         path = find_plugin(plugin)
     except (OSError, ValueError, RuntimeError) as e:
@@ -145,11 +146,11 @@ def mode(name: str):
         set_mode(previous)
 
 
-if os.environ.get("TORCH_PJRT_MODE") and unavailable_reason is None:
+if _settings.text("TORCH_PJRT_MODE") != get_mode() and unavailable_reason is None:
     try:
-        set_mode(os.environ["TORCH_PJRT_MODE"])
+        set_mode(_settings.text("TORCH_PJRT_MODE"))
     except ValueError as e:  # a typo must not run the user's job in another mode
-        _make_unavailable(f"TORCH_PJRT_MODE={os.environ['TORCH_PJRT_MODE']!r}: {e}")
+        _make_unavailable(f"TORCH_PJRT_MODE={_settings.text('TORCH_PJRT_MODE')!r}: {e}")
 
 
 def sync() -> None:

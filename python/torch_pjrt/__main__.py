@@ -1,4 +1,5 @@
 """`python -m torch_pjrt`: what torch_pjrt finds on this machine, one fact a line.
+`python -m torch_pjrt --settings`: the TORCH_PJRT_* environment variables (docs/settings.md).
 
 Every line is `name: value`; a failure to start the device is printed, not raised,
 so the report says what is wrong.
@@ -32,7 +33,12 @@ def diagnosis() -> list[tuple[str, str]]:
              ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
              ("python", sys.version.split()[0]),
              ("plugin", _C._plugin_path() or "none"),
-             ("plugin variable", f"TORCH_PJRT_PLUGIN={os.environ.get('TORCH_PJRT_PLUGIN', 'cpu (default)')}")]
+             ("plugin variable", f"TORCH_PJRT_PLUGIN={_C._setting_text('TORCH_PJRT_PLUGIN')}")]
+    from torch_pjrt import _settings
+
+    for name, default, _, value in _settings.table():
+        if value is not None:
+            facts.append(("setting", f"{name}={value!r} (default {default})"))
     if torch_pjrt.unavailable_reason:
         facts.append(("unavailable", torch_pjrt.unavailable_reason))
     try:
@@ -60,7 +66,19 @@ def diagnosis() -> list[tuple[str, str]]:
     return facts
 
 
+def settings_markdown() -> str:
+    """The settings table as docs/settings.md has it (a test keeps the two equal)."""
+    from torch_pjrt import _settings
+
+    lines = ["| variable | default | what it does |", "|---|---|---|"]
+    lines += [f"| `{name}` | {default or '(unset)'} | {what} |" for name, default, what, _ in _settings.table()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--settings"]:
+        print(settings_markdown(), end="")
+        return
     for name, value in diagnosis():
         print(f"{name}: {value}")
 

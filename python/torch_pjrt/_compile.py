@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from . import _C
+from . import _settings
 
 BACKEND = "tpu"
 
@@ -780,13 +781,13 @@ class _TrainingCall:
 
 
 # TORCH_PJRT_BATCH_BUCKETS=0: inference graphs with a dynamic batch run at every exact batch size.
-_BUCKETS = os.environ.get("TORCH_PJRT_BATCH_BUCKETS", "1") != "0"
+_BUCKETS = _settings.flag("TORCH_PJRT_BATCH_BUCKETS")
 
 _bucket_calls = [0]  # calls run at a bucket (tests and benchmarks read it)
 
 
 # TORCH_PJRT_COMPILE_REPLAY=0 runs every compiled call op by op (fused).
-_REPLAY = os.environ.get("TORCH_PJRT_COMPILE_REPLAY", "1") != "0"
+_REPLAY = _settings.flag("TORCH_PJRT_COMPILE_REPLAY")
 # A dynamic-shape graph keeps a replay plan (and its program) per distinct size, up to this many.
 _MAX_SIZES_REPLAYED = 64
 

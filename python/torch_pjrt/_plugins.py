@@ -71,7 +71,9 @@ def prepare_environment(platform: str) -> None:
     0.85714287). XLA reads XLA_FLAGS once, for every client in the process (JAX's
     too). TORCH_PJRT_GPU_IEEE_DIV=0 keeps XLA's default.
     """
-    if platform != "cuda" or os.environ.get("TORCH_PJRT_GPU_IEEE_DIV", "1") == "0":
+    from . import _settings
+
+    if platform != "cuda" or not _settings.flag("TORCH_PJRT_GPU_IEEE_DIV"):
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "nvptx-prec-divf32" not in flags:

@@ -553,10 +553,12 @@ class _BackendConfig(c10d.BackendConfig):
 def _bind_local_device() -> None:
     """torchrun with several devices per process: LOCAL_RANK names this process's device."""
     local_rank = os.environ.get("LOCAL_RANK")
+    from . import _settings
+
     try:
-        per_process = int(os.environ.get("TORCH_PJRT_CPU_DEVICES", "1"))
+        per_process = _settings.integer("TORCH_PJRT_CPU_DEVICES", 1)
     except ValueError:
-        return
+        return  # the runtime raises naming the variable when it starts
     if local_rank is not None and per_process > 1:
         torch.tpu.set_device(int(local_rank) % per_process)
 
