@@ -27,7 +27,9 @@
 #include <tuple>
 
 #include "aten/device_context.h"
-#include "aten/executor.h"
+#include "aten/growth.h"
+#include "aten/host_copy.h"
+#include "aten/op_call.h"
 #include "aten/profiling.h"
 #include "graph/metrics.h"
 #include "graph/source_location.h"

@@ -18,6 +18,9 @@
 
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/fused_graph.h"
+#include "aten/growth.h"
+#include "aten/host_copy.h"
 #include "aten/exit_gate.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
