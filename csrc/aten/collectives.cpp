@@ -9,7 +9,8 @@
 #include <stdexcept>
 
 #include "aten/device_context.h"
-#include "aten/executor.h"
+#include "aten/fused_graph.h"
+#include "aten/growth.h"
 #include "aten/lowerings/collectives.h"
 #include "aten/op_call.h"
 #include "graph/metrics.h"

@@ -2,8 +2,8 @@
 #include "aten/device.h"
 #include "aten/runtime_checks.h"
 #include "aten/device_context.h"
-#include "aten/executor.h"
 #include "aten/exit_gate.h"
+#include "aten/fused_graph.h"
 #include "graph/settings.h"
 #include "pjrt/error.h"
 
@@ -794,6 +794,25 @@ RngDraw next_rng_draw(const std::optional<at::Generator>& gen, int device, uint6
   RngDraw draw{impl->seed_, impl->offset_};
   impl->offset_ += rng_numbers_reserved(count);
   return draw;
+}
+
+void synchronize(int device) {
+  check_not_forked();
+  flush_pending(device);
+  wait_host_transfers();  // after this, the sources of non_blocking copies may change
+  std::deque<std::shared_ptr<Work>> pending = take_in_flight(device);
+  try {
+    for (auto& work : pending) work->done->wait();
+  } catch (const pjrt::Error& e) {
+    raise_device_error(c10::str("a tpu program on tpu:", device, " failed: ", e.what()));
+  }
+  raise_failed_checks(device);
+}
+
+void synchronize() {
+  check_not_forked();
+  for (DeviceContext* ctx : started_device_contexts()) synchronize(ctx->index);
+  wait_host_transfers();
 }
 
 }  // namespace torch_pjrt

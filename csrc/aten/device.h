@@ -26,7 +26,7 @@ struct StorageState {
   // keeps one program per capacity bucket. 0: none. Reads use the prefix.
   size_t capacity = 0;
   // Made by `aten::cat`: a sequence that may grow by a cat per step. A float
-  // cat of several rows that extends it writes a capacity storage (executor.cpp, flat_cat_of).
+  // cat of several rows that extends it writes a capacity storage (growth.cpp, flat_cat_of).
   bool grown = false;
   int device = 0;
   // Fused/lazy modes: a recorded op writes this storage; its buffer (a flat
@@ -87,6 +87,11 @@ size_t pending_host_transfers();  // held sources not yet released (tests)
 enum class Mode { Debug, Strict, Fused, Lazy };
 Mode mode();
 void set_mode(Mode mode);
+
+// Runs any recorded graph, then waits for all work enqueued so far on every
+// device (or on `device`) and for non_blocking uploads; raises failed checks.
+void synchronize();
+void synchronize(int device);
 
 // The runtime is created on first use from the configured plugin.
 // `platform` ("cpu", "cuda", "tpu" or "" when unknown) picks the client's

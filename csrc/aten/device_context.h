@@ -49,7 +49,7 @@ struct DeviceContext {
   // signature key alone is unambiguous inside one context.
   std::mutex op_cache_mutex;
   std::unordered_map<std::string, std::shared_ptr<CachedOp>> op_cache;
-  // Device buffers of Scalar operands (executor.cpp's cached_scalar_buffer).
+  // Device buffers of Scalar operands (host_copy.cpp's cached_scalar_buffer).
   std::mutex scalar_mutex;
   std::unordered_map<std::string, std::shared_ptr<pjrt::Buffer>> scalar_buffers;
   // Fused/lazy modes: the graph being recorded and the compiled graphs.

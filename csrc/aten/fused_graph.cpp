@@ -27,7 +27,9 @@
 #include <tuple>
 
 #include "aten/device_context.h"
-#include "aten/executor.h"
+#include "aten/growth.h"
+#include "aten/host_copy.h"
+#include "aten/op_call.h"
 #include "aten/profiling.h"
 #include "graph/metrics.h"
 #include "graph/settings.h"
@@ -176,6 +178,74 @@ size_t graph_cost_limit() {
   return limit;
 }
 
+// A graph operand for a buffer that is not a storage, once however often it recurs: the op's operand id.
+int add_buffer_operand(PendingGraph& g, const Call& call, const OperandRef& ref, pjrt::BufferPtr buffer) {
+  const int next = static_cast<int>(g.operands.size());
+  int id = next;
+  bool fresh = true;
+  if (is_tensor_metadata(ref.kind)) {
+    const StorageState* owner = &storage_state(item_tensor(call.args[ref.arg], ref.item).storage());
+    auto found = g.operand_of_metadata.emplace(std::make_tuple(buffer.get(), static_cast<int>(ref.kind), owner), next);
+    id = found.first->second;
+    fresh = found.second;
+  } else {
+    auto found = g.operand_of_buffer.emplace(buffer.get(), next);
+    id = found.first->second;
+    fresh = found.second;
+  }
+  if (fresh) {
+    g.operands.push_back(std::move(buffer));
+    g.operand_storage.push_back(-1);
+    // A 0-d CPU tensor is a number in the op (a wrapped `x / 2.0`):
+    // constant for replay, as a Scalar is.
+    // While capturing, only a Python number is: a 0-d CPU tensor (a
+    // learning rate a scheduler changes) must not be fixed in replays.
+    const at::Tensor& host = ref.kind == OperandRef::Host ? item_tensor(call.args[ref.arg], ref.item) : at::Tensor();
+    bool number = host.defined() && host.dim() == 0 &&
+                  (!g.capturing || host.unsafeGetTensorImpl()->is_wrapped_number());
+    g.operand_kind.push_back(number ? OperandRef::Scalar : ref.kind);
+    bool default_rng = ref.kind == OperandRef::Rng &&
+                       !(ref.arg >= 0 && call.args[ref.arg].isGenerator() && call.args[ref.arg].toGenerator().defined());
+    g.operand_rng_count.push_back(default_rng ? static_cast<int64_t>(ref.count) : -1);
+  }
+  return id;
+}
+
+// A storage the op reads becomes a graph parameter, unless an earlier op wrote it or already made it one.
+void add_storage_operand(PendingGraph& g, const Call& call, const OperandRef& ref) {
+  const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
+  int id = storage_id(g, storage);
+  if (g.has_value[id]) return;  // an earlier op wrote it, or it is already a parameter
+  g.has_value[id] = 1;
+  pjrt::BufferPtr buffer = buffer_of(storage_state(storage));
+  g.inputs.inputs.emplace(&storage_state(storage), lowering::TensorType{buffer->element_type(), buffer->dims()});
+  g.operands.push_back(std::move(buffer));
+  g.operand_storage.push_back(id);
+  g.operand_kind.push_back(OperandRef::Storage);
+  g.operand_rng_count.push_back(-1);
+}
+
+// The op's operands added to the graph, in its lowering's order; returns the graph operand id of each one that
+// is not a storage. `resolved` holds those buffers. The key says which operand each op uses, so graphs
+// that share operands differently never share a program.
+std::vector<int> add_operands(PendingGraph& g, const Call& call, const CachedOp& cached,
+                              std::vector<pjrt::BufferPtr>& resolved, std::string& operand_key) {
+  std::vector<int> operand_ids;
+  for (size_t i = 0; i < cached.operands.size(); ++i) {
+    const OperandRef& ref = cached.operands[i];
+    if (ref.kind == OperandRef::Storage) {
+      add_storage_operand(g, call, ref);
+      continue;
+    }
+    const int id = add_buffer_operand(g, call, ref, std::move(resolved[i]));
+    operand_ids.push_back(id);
+    operand_key += 'p';
+    append_number(operand_key, id);
+    operand_key += ',';
+  }
+  return operand_ids;
+}
+
 }  // namespace
 
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
@@ -202,60 +272,8 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
     if (t.defined()) element_or_throw(t.scalar_type());  // mark_written's
   g.device = call.device;
   // Operands in the order the op's lowering asks for them (see emit()).
-  // A buffer that is not a storage (a cached Scalar) is one operand however
-  // often it recurs; the key says which operand each op uses, so graphs
-  // that share operands differently never share a program.
-  std::vector<int> operand_ids;
   std::string operand_key;
-  for (size_t i = 0; i < cached->operands.size(); ++i) {
-    const OperandRef& ref = cached->operands[i];
-    if (ref.kind != OperandRef::Storage) {
-      pjrt::BufferPtr buffer = std::move(resolved[i]);
-      const int next = static_cast<int>(g.operands.size());
-      int id = next;
-      bool fresh = true;
-      if (is_tensor_metadata(ref.kind)) {
-        const StorageState* owner = &storage_state(item_tensor(call.args[ref.arg], ref.item).storage());
-        auto found = g.operand_of_metadata.emplace(std::make_tuple(buffer.get(), static_cast<int>(ref.kind), owner), next);
-        id = found.first->second;
-        fresh = found.second;
-      } else {
-        auto found = g.operand_of_buffer.emplace(buffer.get(), next);
-        id = found.first->second;
-        fresh = found.second;
-      }
-      if (fresh) {
-        g.operands.push_back(std::move(buffer));
-        g.operand_storage.push_back(-1);
-        // A 0-d CPU tensor is a number in the op (a wrapped `x / 2.0`):
-        // constant for replay, as a Scalar is.
-        // While capturing, only a Python number is: a 0-d CPU tensor (a
-        // learning rate a scheduler changes) must not be fixed in replays.
-        const at::Tensor& host = ref.kind == OperandRef::Host ? item_tensor(call.args[ref.arg], ref.item) : at::Tensor();
-        bool number = host.defined() && host.dim() == 0 &&
-                      (!g.capturing || host.unsafeGetTensorImpl()->is_wrapped_number());
-        g.operand_kind.push_back(number ? OperandRef::Scalar : ref.kind);
-        bool default_rng = ref.kind == OperandRef::Rng &&
-                           !(ref.arg >= 0 && call.args[ref.arg].isGenerator() && call.args[ref.arg].toGenerator().defined());
-        g.operand_rng_count.push_back(default_rng ? static_cast<int64_t>(ref.count) : -1);
-      }
-      operand_ids.push_back(id);
-      operand_key += 'p';
-      append_number(operand_key, id);
-      operand_key += ',';
-      continue;
-    }
-    const c10::Storage& storage = item_tensor(call.args[ref.arg], ref.item).storage();
-    int id = storage_id(g, storage);
-    if (g.has_value[id]) continue;  // an earlier op wrote it, or it is already a parameter
-    g.has_value[id] = 1;
-    pjrt::BufferPtr buffer = buffer_of(storage_state(storage));
-    g.inputs.inputs.emplace(&storage_state(storage), lowering::TensorType{buffer->element_type(), buffer->dims()});
-    g.operands.push_back(std::move(buffer));
-    g.operand_storage.push_back(id);
-    g.operand_kind.push_back(OperandRef::Storage);
-    g.operand_rng_count.push_back(-1);
-  }
+  std::vector<int> operand_ids = add_operands(g, call, *cached, resolved, operand_key);
   RecordedOp rec{call.op, cached, std::move(op_key), {}, std::move(call.written), call.returns_written, {}, location,
                  std::move(operand_ids), std::move(call.keyed_storages)};
   rec.key += '@';

@@ -1,19 +1,54 @@
-// Fused and lazy modes: ops recorded into one XLA graph per flush.
+// Fused and lazy modes: ops recorded into one XLA graph per flush (fused_graph.cpp).
+// Everything that flushes, reads or replaces a storage a recorded graph may write goes through here.
 #pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
+#include <c10/core/Storage.h>
+
 #include <memory>
 #include <optional>
 #include <vector>
 #include <string>
 
-#include "aten/op_call.h"
+#include "pjrt/buffer.h"
 
 namespace torch_pjrt {
+
+struct Call;          // op_call.h
+struct CachedOp;      // op_call.h
+struct StorageState;  // device.h
+struct GraphRun;      // device_context.h
+struct Work;          // device_context.h
 
 // Records the op instead of running it; pushes its (pending) outputs.
 // Returns false (nothing recorded) when another thread changed an operand
 // storage's type since the signature was taken: the caller plans again.
 bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Stack* stack, size_t nargs,
             std::string&& op_key);
+
+// Fused and lazy modes: runs the recorded graphs of every device (or of
+// `device`) now (asynchronously).
+void flush_pending();
+void flush_pending(int device);
+// Event.record without cutting the graph: takes the device's in-flight work
+// and, if ops are pending, the run of its pending graph that will cover them
+// (null if none), both under the graph's lock.
+std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight);
+// Runs the device's pending graph if `run` is still its pending run; after it,
+// run.ran is true.
+void flush_through(int device, const GraphRun& run);
+// The storage's buffer for a reader, after the recorded graph if it writes
+// the storage. Taken under the graph's lock, so no graph donates it between
+// the flush and the reference (a referenced buffer is never donated).
+pjrt::BufferPtr readable_buffer(const StorageState& st);
+// Gives the storage a whole new value, after the recorded graph if it writes
+// the storage (under the graph's lock: no op records in between).
+void install_after_graph(StorageState& st, pjrt::BufferPtr buffer);
+// Sets a storage's byte size (tensor resize_, untyped_storage().resize_),
+// after the recorded graph if it uses the storage: its ops were keyed and must
+// be lowered at the old size. Size 0 frees the buffer (FSDP2 frees unsharded
+// parameters so); growth keeps it (reads pad it with zeros up to the size).
+void resize_storage_after_graph(const c10::Storage& storage, size_t nbytes);
 
 // Whether this thread's recording cuts a fused graph at the op and
 // compile-cost limits (default true). A torch.compile graph is recorded

@@ -1,12 +1,13 @@
 // What the executor knows about one op call, shared by the strict/debug path
 // (executor.cpp) and fused graphs (fused_graph.cpp): the call's arguments, its
-// cached plan (outputs, operands, lowering) and the helpers both paths use.
-// Internal to the aten layer.
+// cached plan (outputs, operands, lowering) and the helpers both paths use
+// (defined in op_signature.cpp unless noted). Internal to the aten layer.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -170,9 +171,15 @@ c10::IValue map_tensors(const c10::IValue& v, Fn fn) {
   return v;
 }
 
+// Boxed calls pass an absent Tensor? either as None or as an undefined tensor.
+inline bool is_absent(const c10::IValue& v) { return v.isNone() || (v.isTensor() && !v.toTensor().defined()); }
+// Whether the call writes argument `arg`.
+inline bool is_written(const Call& call, int arg) {
+  return std::find(call.written.begin(), call.written.end(), arg) != call.written.end();
+}
+
 // dtype mapping; element_or_throw raises for dtypes XLA has no type for.
 std::optional<ElementType> element_of(at::ScalarType t);
-at::ScalarType scalar_type_of(ElementType e);
 ElementType element_or_throw(at::ScalarType t);
 
 // What every call of a schema needs, built once per schema and thread (name
@@ -198,6 +205,8 @@ auto find_keyed(CallT& call, const StorageState* st) -> decltype(&call.keyed_sto
   return nullptr;
 }
 const std::string& op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
+// The op's name without namespace, overload or in-place underscore ("add" for aten::add_.Tensor).
+const std::string& base_name(const c10::FunctionSchema& s);
 at::Tensor item_tensor(const c10::IValue& v, int item);
 // The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k);
@@ -207,7 +216,7 @@ std::optional<lowering::TensorType> checked_storage_type(const StorageState& st)
 bool storages_as_keyed(const Call& call);                                          // caller holds storage_mutex()
 
 
-// Lowers one op into `b`; in a fused graph, `graph` threads storage values
+// Lowers one op into `b` (call_context.cpp); in a fused graph, `graph` threads storage values
 // from op to op. Returns one flat value per present output; the op's runtime
 // checks go to `checks` when given.
 std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph,
@@ -215,53 +224,7 @@ std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cac
 // "aten::add.Tensor(Float[3, 4], Float[4])": an op and its tensor arguments, for errors.
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args);
 
-// Storage operands: the caller holds storage_mutex().
-pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
-std::vector<at::Tensor> output_tensors(const Call& call, const CachedOp& cached);
-// What the empty kernels make on tpu device `device` (no strides: contiguous, or `memory_format`), without
-// a dispatch.
-at::Tensor new_device_tensor(c10::IntArrayRef sizes, std::optional<c10::IntArrayRef> strides, at::ScalarType dtype,
-                             int device, std::optional<c10::MemoryFormat> memory_format = std::nullopt);
-// A flat cat is `aten::cat` of contiguous tpu pieces of one dtype: with only size-1 dims
-// before its dim, its result is the pieces' flat concatenation; otherwise
-// each of its rows (the product of those dims) is the rows' concatenation.
-struct FlatCat {
-  int64_t capacity = 0;  // elements of its result's buffer; 0: the call is not a flat cat
-  int64_t rows = 1;      // the product of the dims before the cat dim (1: one flat row)
-};
-FlatCat flat_cat_of(const Call& call);
-// An elementwise op (LoweringEntry::elementwise) whose tensors are 0-d or whole
-// capacity storages of one element capacity and one shape: that capacity (its
-// program computes over the whole buffers, its results are capacity storages);
-// 0 otherwise.
-int64_t capacity_elementwise_of(const Call& call, const lowering::LoweringEntry& entry);
-void adopt_capacity(Call& call, int64_t capacity);  // its fresh written tensors become capacity storages
-// A runtime-length op: its tensors' last dims hold a length that changes per
-// call (a mask growing by a token per step), computed padded so that its
-// program does not depend on it. Its tensors are 0-d, or have last dim 1, or
-// have the length as their last dim and cover a capacity storage (read padded
-// to `bound` lanes), or are fresh written ones. `length` 0: not one.
-struct RuntimeLength {
-  int64_t length = 0, bound = 0;
-  int arg = -1, item = -1;  // the first padded tensor (-1: arange, whose Scalars give the length)
-};
-RuntimeLength runtime_length_of(const Call& call, const lowering::LoweringEntry& entry);
-// The length of a call planned as a runtime-length op (MetaResult::length_bound).
-int64_t runtime_length(const Call& call, const MetaResult& meta);
-void plan_runtime_length(const Call& call, CachedOp& cached, const RuntimeLength& length);
-// Ops run while one exists make exact-size results: no capacity storages (flat cats, capacity elementwise and
-// runtime-length ops run as plain ones). A collective needs a buffer of exactly a tensor's elements.
-class ExactShapes {
- public:
-  ExactShapes();
-  ~ExactShapes();
-  ExactShapes(const ExactShapes&) = delete;
-  ExactShapes& operator=(const ExactShapes&) = delete;
-
- private:
-  bool previous_;
-};
-void resize_padded_outputs(Call& call, const CachedOp& cached);  // written padded outputs take this call's length
+// Pops the call's arguments and pushes its returns (executor.cpp).
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);
 
 }  // namespace torch_pjrt

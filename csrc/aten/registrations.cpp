@@ -18,6 +18,9 @@
 
 #include "aten/device.h"
 #include "aten/executor.h"
+#include "aten/fused_graph.h"
+#include "aten/growth.h"
+#include "aten/host_copy.h"
 #include "aten/exit_gate.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
@@ -237,7 +240,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 // _copy_from's schema does not mark `dst` as written, so PyTorch's conjugate
 // and negative fallbacks would hand it a materialized temporary (the copy into
 // `z.conj()` was lost). Let the bits through: copy_into reads and writes
-// through them (executor.cpp, read_through_bits).
+// through them (call_context.cpp, read_through_bits).
 TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
   m.impl("_copy_from", torch::CppFunction::makeFallthrough());
   m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());

@@ -7,13 +7,16 @@
 
 #include <map>
 
+#include "aten/call_context.h"
 #include "aten/collectives.h"
+#include "aten/cpu_fallback.h"
 #include "aten/device.h"
 #include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
 #include "aten/lowering.h"
+#include "aten/op_call.h"
 #include "bindings/dist_backend.h"
 #include "bindings/interpreter_exit.h"
 #include "bindings/python_location.h"
