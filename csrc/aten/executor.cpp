@@ -466,8 +466,9 @@ class CallContext final : public lowering::Context {
 
   std::vector<std::string> tensor_arguments() const override {
     std::vector<std::string> names;
-    for (const auto& a : call_.schema.arguments())
-      if (a.type()->kind() == c10::TypeKind::TensorType) names.push_back(a.name());
+    for (const auto& a : call_.schema.arguments())  // the functional form's: out= tensors are results
+      if (a.type()->kind() == c10::TypeKind::TensorType && !(a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite()))
+        names.push_back(a.name());
     return names;
   }
 

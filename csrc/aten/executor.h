@@ -18,7 +18,8 @@ void lowered_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
 const std::string& base_name(const c10::FunctionSchema& schema);  // "add" for aten::add_.Tensor
 // Gives every lowered op an explicit PrivateUse1 kernel, so lowerings win over
 // PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
-void register_lowered_kernels();
+namespace lowering { struct OpRule; }
+void register_lowered_kernels(const lowering::OpRule* overriding = nullptr);
 // torch.accelerator.Graph on tpu (graph_impl.cpp); after the backend's rename.
 void register_graph_impl();
 

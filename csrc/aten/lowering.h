@@ -109,7 +109,7 @@ class Context {
   // `name` is such a dim; nothing otherwise.
   virtual std::optional<Value> runtime_size(std::string_view name, int64_t dim) { return std::nullopt; }
 
-  // The op's Tensor arguments in schema order (for lowerings written outside C++: register_lowering).
+  // The op's Tensor arguments in schema order, out= ones left out (lowerings written outside C++: register_lowering).
   virtual std::vector<std::string> tensor_arguments() const { return {}; }
   // The PJRT client's platform ("cpu", "cuda", "tpu"), which picked this lowering's rule.
   const std::string& platform() const;

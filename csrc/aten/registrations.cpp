@@ -258,9 +258,10 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 
 }  // namespace
 
-void register_lowered_kernels() {
+void register_lowered_kernels(const lowering::OpRule* overriding) {
   // Each call adds the ops that gained a lowering since (torch_pjrt.register_lowering); ops with a kernel
-  // of their own on the device keep it.
+  // of their own on the device keep it, unless `overriding` is their rule (a lowering registered for
+  // them from Python replaces a Python decomposition's kernel too).
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   torch::Library* library = nullptr;  // never destroyed: its kernels stay registered
@@ -274,7 +275,7 @@ void register_lowered_kernels() {
     if (!rule || !rule->fn || rule->route == lowering::Route::KeepGeneric) continue;
     // Implicit composites must decompose above autograd; existing kernels stay.
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+        (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) && rule != overriding))
       continue;
     if (!library)
       library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);

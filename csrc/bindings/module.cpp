@@ -159,7 +159,8 @@ void register_python_lowering(const std::string& name, py::object lower) {
     return lowering::call_external(c, key, operands);
   };
   lowering::register_rule(key, std::move(rule));
-  register_lowered_kernels();  // an op that had no lowering may need the device's kernel now
+  // An op that had no lowering may need the device's kernel now (in place of a decomposition's).
+  register_lowered_kernels(lowering::find_rule(base, overload, ""));
 }
 
 }  // namespace
@@ -182,7 +183,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_configure_unavailable", &configure_unavailable);
   m.def("_compile_cache_dir", &compile_cache_dir);
   register_dist_backend_bindings(m);
-  m.def("_register_lowered_kernels", &register_lowered_kernels);
+  m.def("_register_lowered_kernels", [] { register_lowered_kernels(); });
   m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
   m.def("_runtime_started", &runtime_started);
