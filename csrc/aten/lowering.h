@@ -194,9 +194,6 @@ using LoweringEntry = OpRule;
 // The rule for an op: name then overload first, then the base name; a rule
 // for `platform` before the portable one. Null if there is none.
 const OpRule* find_rule(std::string_view base_name, std::string_view overload, std::string_view platform);
-// The rule with a lowering for an op's base name on the current platform
-// (set_platform); null if there is none.
-const OpRule* find_lowering(std::string_view base_name, std::string_view overload = "");
 std::vector<std::string> lowered_op_names();
 std::vector<std::string> rule_names(const std::string& platform = "");  // the rules' names ("mode.values", "add") for a platform
 // The base name of an op ("aten::add_.Tensor", "add_", "aten::add" -> "add";

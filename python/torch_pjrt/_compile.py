@@ -33,10 +33,6 @@ from . import _C
 BACKEND = "tpu"
 
 
-def _base_name(op) -> str:
-    return _C._op_base_name(op._schema.name)  # the op rules' base name (lowering.h, base_name_of)
-
-
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     """Core ATen decompositions for the ops our lowerings lack (lowered ops stay whole)."""

@@ -98,11 +98,6 @@ const OpRule* find_rule(std::string_view base_name, std::string_view overload, s
   return lookup(t, base_name, platform);
 }
 
-const OpRule* find_lowering(std::string_view base_name, std::string_view overload) {
-  const OpRule* r = find_rule(base_name, overload, current_platform());
-  return r && r->fn ? r : nullptr;
-}
-
 std::vector<std::string> lowered_op_names() {
   std::vector<std::string> names;
   Table& t = table();
