@@ -3,6 +3,7 @@
 // reads capacity storages and runtime-length tensors padded. emit() turns the lowering's results into each
 // output's new flat storage value; compile_alone, learn_operands and emit_op are its three users.
 #include "aten/call_context.h"
+#include "aten/op_signature.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/TypeProperties.h>
@@ -51,6 +52,16 @@ class CallContext final : public lowering::Context {
     auto i = call_.schema.argumentIndexWithName(name);
     return i && call_.args[*i].isTensor() && call_.args[*i].toTensor().defined();
   }
+
+  std::vector<std::string> tensor_arguments() const override {
+    std::vector<std::string> names;
+    for (const auto& a : call_.schema.arguments())  // the functional form's: out= tensors are results
+      if (a.type()->kind() == c10::TypeKind::TensorType && !(a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite()))
+        names.push_back(a.name());
+    return names;
+  }
+
+  std::vector<std::string> non_default_arguments() const override { return torch_pjrt::non_default_arguments(call_); }
 
   // The whole storage of a tpu tensor as a parameter, once per storage.
   // In a fused graph, a storage an earlier op wrote is that op's value.
@@ -504,6 +515,12 @@ std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cac
   if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
     flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
   return flats;
+}
+
+void prepare_rule(Call& call, CachedOp& cached) {
+  lowering::Builder scratch;
+  CallContext ctx(scratch, call, cached.meta, cached.entry->bake_scalars);
+  cached.entry->prepare(ctx);
 }
 
 }  // namespace torch_pjrt

@@ -16,6 +16,10 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
 // Fused modes: learns the op's operand order (and checks, compile cost) without compiling anything.
 void learn_operands(Call& call, CachedOp& cached);
 
+// A rule registered from Python (register_lowering): readies its lowering for the call's types
+// (lowering::OpRule::prepare), on the calling thread with the GIL, before any graph lock.
+void prepare_rule(Call& call, CachedOp& cached);
+
 // Test hook: op `name` ("aten::tanh"), when lowered into a fused graph, calls a
 // kernel no plugin has, so the graph fails to compile. "" turns it off.
 void inject_compile_fault(const std::string& name);

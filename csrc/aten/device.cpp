@@ -5,6 +5,7 @@
 #include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
 #include "graph/settings.h"
+#include "aten/lowering.h"
 #include "pjrt/error.h"
 
 #include <ATen/core/CachingHostAllocator.h>
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <thread>
@@ -99,6 +101,10 @@ Runtime& runtime() {
       TORCH_CHECK(!configured_path().empty(), unavailable_reason().empty() ? "no PJRT plugin configured: import torch_pjrt first"
                                                                           : unavailable_reason());
       rt.client = pjrt::Client::create(pjrt::Plugin::load(configured_path()), client_options(configured_platform()));
+      // Platform rules (lowering.h, find_rule) match the client's platform name: "cpu", "cuda", "tpu".
+      std::string platform = rt.client->platform_name();
+      std::transform(platform.begin(), platform.end(), platform.begin(), [](unsigned char ch) { return std::tolower(ch); });
+      lowering::set_platform(platform);
       std::unique_ptr<graph::DiskCache> disk;
       if (std::string dir = compile_cache_dir(); !dir.empty()) {
         int64_t max_bytes = graph::settings::integer("TORCH_PJRT_CACHE_MAX_BYTES", 0);

@@ -21,7 +21,8 @@ c10::OperatorHandle find_op(const char* name, const char* overload);
 
 // Gives every lowered op an explicit PrivateUse1 kernel, so lowerings win over
 // PyTorch's generic CompositeExplicitAutograd kernels. Call once all ops exist.
-void register_lowered_kernels();
+namespace lowering { struct OpRule; }
+void register_lowered_kernels(const lowering::OpRule* overriding = nullptr);
 // torch.accelerator.Graph on tpu (graph_impl.cpp); after the backend's rename.
 void register_graph_impl();
 

@@ -180,6 +180,7 @@ inline bool is_written(const Call& call, int arg) {
 
 // dtype mapping; element_or_throw raises for dtypes XLA has no type for.
 std::optional<ElementType> element_of(at::ScalarType t);
+at::ScalarType scalar_type_of(ElementType e);  // element_of's inverse
 ElementType element_or_throw(at::ScalarType t);
 
 // What every call of a schema needs, built once per schema and thread (name
@@ -187,7 +188,9 @@ ElementType element_or_throw(at::ScalarType t);
 struct SchemaFacts {
   std::string op_name;    // "aten::add.Tensor"
   std::string base_name;  // "add": the lowering table's name
-  const lowering::LoweringEntry* entry = nullptr;  // null: no lowering
+  const lowering::OpRule* rule = nullptr;         // the op's rule (lowering::find_rule); null: none
+  const lowering::LoweringEntry* entry = nullptr;  // the rule if it has a lowering; null: no lowering
+  uint64_t epoch = 0;                              // of the schemas and rules it was built from
   std::optional<size_t> indices_at, self_at;       // those arguments' positions
   std::vector<char> writes;         // per argument: the op writes it (alias info, or the entry's extra_writes)
   std::vector<char> runtime_float;  // per argument: one of the entry's runtime float operands
@@ -207,6 +210,7 @@ auto find_keyed(CallT& call, const StorageState* st) -> decltype(&call.keyed_sto
 const std::string& op_name(const c10::FunctionSchema& s);  // "aten::add.Tensor"
 // The op's name without namespace, overload or in-place underscore ("add" for aten::add_.Tensor).
 const std::string& base_name(const c10::FunctionSchema& s);
+bool has_cpu_rule(const c10::FunctionSchema& s, uint32_t bits);  // the op's rule has one of these CpuRule bits
 at::Tensor item_tensor(const c10::IValue& v, int item);
 // The k-th written tensor of a call (an item of a written Tensor[] or a Tensor); `args` the call's or their metas.
 at::Tensor written_tensor(const Call& call, const std::vector<c10::IValue>& args, size_t k);

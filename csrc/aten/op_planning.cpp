@@ -3,6 +3,7 @@
 // value shapes, norm statistics dtypes, channels_last layouts, in-place compute dtypes), and a probe runs the
 // CPU kernel on stand-ins where a meta kernel may miss the CPU's error. Nothing here lowers or runs the op.
 #include "aten/op_planning.h"
+#include "aten/call_context.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -95,8 +96,7 @@ void check_on_cpu_where_meta_may_not(const Call& call) {
   bool integral = std::any_of(dtypes->begin(), dtypes->end(),
                               [](at::ScalarType t) { return at::isIntegralType(t, /*includeBool=*/true); });
   // Lowerings that follow CUDA for dtypes the CPU kernel lacks (histc of integers).
-  static const std::set<std::string> cuda_dtypes{"histc"};
-  if ((integral || dtypes->size() > 1) && !cuda_dtypes.count(base_name(call.schema))) probe_on_cpu(call, true);
+  if ((integral || dtypes->size() > 1) && !has_cpu_rule(call.schema, lowering::kCudaDtypes)) probe_on_cpu(call, true);
 }
 
 }  // namespace
@@ -172,32 +172,20 @@ MetaResult infer_meta(const Call& call) {
 // (TensorIterator and the index family). tpu data pointers are storage + offset,
 // so these metadata checks see what they see on the CPU.
 void check_memory_overlap(const Call& call) {
-  // CPU writes these without an internal-overlap error (a constant, or only a deprecation warning).
-  static const std::set<std::string> internal_ok{"fill", "zero", "masked_fill", "index_fill", "index_put",
-                                                 "_index_put_impl"};
-  // CPU kernels that check no overlap between their output and inputs.
-  static const std::set<std::string> inputs_unchecked{"fill", "masked_fill", "index_fill", "masked_scatter",
-                                                      "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "sum", "mean"};
-  // Kernels that reject even full aliasing (at::assert_no_overlap) of their output with every input: the
-  // index family, index_select, cat (an out= the very tensor they read would be read while written).
-  static const std::set<std::string> no_aliasing{"index_put", "_index_put_impl", "index_add", "index_copy",
-                                                 "scatter", "scatter_add", "scatter_reduce", "index_reduce",
-                                                 "index_select", "cat"};
-  // ... or of their output with these inputs only (the others: partial overlap, as TensorIterator).
-  static const std::map<std::string, std::set<std::string>> no_aliasing_with{{"gather", {"self"}}};
-  std::string base = base_name(call.schema);
-  auto only = no_aliasing_with.find(base);
+  // The op's rule says what its CPU kernel checks (OpRule's overlap fields); no rule: TensorIterator's checks.
+  static const lowering::OpRule none;
+  const lowering::OpRule& rule = schema_facts(call.schema).rule ? *schema_facts(call.schema).rule : none;
+  const auto& only = rule.no_aliasing_with;
   for (size_t k = 0; k < call.written.size(); ++k) {
     int w = call.written[k];
     const at::Tensor out = written_tensor(call, call.args, k);
-    if (!internal_ok.count(base)) at::assert_no_internal_overlap(out);
-    if (inputs_unchecked.count(base)) continue;
+    if (!rule.internal_overlap_ok) at::assert_no_internal_overlap(out);
+    if (rule.inputs_overlap_unchecked) continue;
     for (size_t i = 0; i < call.args.size(); ++i) {
       if (static_cast<int>(i) == w) continue;
       map_tensors(call.args[i], [&](const at::Tensor& in) {
         if (!in.defined() || in.device().type() != kTpu) return in;
-        if (no_aliasing.count(base) ||
-            (only != no_aliasing_with.end() && only->second.count(call.schema.arguments()[i].name())))
+        if (rule.no_aliasing || std::find(only.begin(), only.end(), call.schema.arguments()[i].name()) != only.end())
           at::assert_no_overlap(out, in);
         else
           at::assert_no_partial_overlap(out, in);
@@ -232,9 +220,8 @@ void check_index_put_value_shape(const Call& call, const at::Tensor& self, const
 
 // Checks CPU kernels make in their bodies, outside the meta functions.
 void check_cpu_kernel_rules(const Call& call) {
-  std::string base = base_name(call.schema);
   auto alpha = call.schema.argumentIndexWithName("alpha");
-  if (alpha && (base == "add" || base == "sub" || base == "rsub") && call.args[*alpha].isScalar()) {
+  if (alpha && has_cpu_rule(call.schema, lowering::kAlphaCheck) && call.args[*alpha].isScalar()) {
     // The references accept a float alpha with bool tensors; BinaryOps' alpha_check does not.
     const auto& self = call.args[*call.schema.argumentIndexWithName("self")];
     const auto& other = call.args[*call.schema.argumentIndexWithName("other")];
@@ -242,7 +229,7 @@ void check_cpu_kernel_rules(const Call& call) {
                                              : at::result_type(self.toTensor(), other.toScalar());
     at::native::alpha_check(common, call.args[*alpha].toScalar());
   }
-  if (base == "index_put" || base == "_index_put_impl") {
+  if (has_cpu_rule(call.schema, lowering::kIndexPutValues)) {
     auto self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
     auto values = call.args[*call.schema.argumentIndexWithName("values")].toTensor();
     // In the CPU kernel's order (make_index_put_iterator): indices, value shape, then dtype.
@@ -258,8 +245,8 @@ void check_cpu_kernel_rules(const Call& call) {
 // parameters' dtype (float32 only when a weight, bias or running stat is), and
 // batch norm in eval mode saves none (empty tensors).
 void apply_cpu_norm_stats_rules(const Call& call, MetaResult& meta) {
-  std::string base = base_name(call.schema);
-  bool layer = base == "native_layer_norm", batch = base == "native_batch_norm";
+  bool layer = has_cpu_rule(call.schema, lowering::kLayerNormStats);
+  bool batch = has_cpu_rule(call.schema, lowering::kBatchNormStats);
   if ((!layer && !batch) || meta.outputs.size() < 3) return;
   at::ScalarType input = call.args[*call.schema.argumentIndexWithName("input")].toTensor().scalar_type();
   at::ScalarType stats = input;
@@ -286,15 +273,13 @@ void apply_cpu_norm_stats_rules(const Call& call, MetaResult& meta) {
 // convolutions (and their gradients) run channels_last when the input or the
 // weight is (3-d convolutions in float64 have no channels_last kernel).
 void apply_cpu_layout_rules(const Call& call, MetaResult& meta) {
-  std::string base = base_name(call.schema);
   // Pooling kernels (and their gradients) follow the input's suggested memory format.
-  static const std::set<std::string> pools{"max_pool2d_with_indices", "max_pool3d_with_indices",
-                                           "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"};
-  bool pool = pools.count(base) > 0;
-  if (base != "convolution" && base != "convolution_backward" && !pool) return;
+  bool pool3d = has_cpu_rule(call.schema, lowering::kPool3dLayout);
+  bool pool = pool3d || has_cpu_rule(call.schema, lowering::kPool2dLayout);
+  if (!has_cpu_rule(call.schema, lowering::kConvLayout) && !pool) return;
   auto input = call.args[*call.schema.argumentIndexWithName(pool ? "self" : "input")].toTensor();
   // 3-d pools see an unbatched (C, D, H, W) input as a batch of one.
-  bool unbatched = pool && base.rfind("max_pool3d", 0) == 0 && input.dim() == 4;
+  bool unbatched = pool3d && input.dim() == 4;
   if (unbatched) input = input.unsqueeze(0);
   auto weight = pool ? input : call.args[*call.schema.argumentIndexWithName("weight")].toTensor();
   auto suggests = [&](c10::MemoryFormat f) {
@@ -335,8 +320,8 @@ std::optional<c10::OperatorHandle> functional_form(const c10::FunctionSchema& sc
   std::vector<const c10::Argument*> wanted;
   for (const auto& a : schema.arguments())
     if (!(a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite())) wanted.push_back(&a);
-  std::string name = schema.name();
-  if (name.size() > 1 && name.back() == '_') name.pop_back();
+  const std::string& base = base_name(schema);  // aten's names come without their namespace
+  std::string name = base.find("::") == std::string::npos ? "aten::" + base : base;
   std::optional<c10::OperatorHandle> result;
   for (const c10::OperatorName& n : overloads[name]) {
     auto op = dispatcher.findOp(n);
@@ -444,8 +429,7 @@ std::vector<at::ScalarType> written_compute_dtypes(const Call& call, const std::
 // (arange_out, range_out, linspace_out, logspace_out); otherwise the values fill it in its own shape,
 // row-major, whatever its strides (od.t(), od[::2]). The meta kernels resize it to 1-d.
 bool keeps_out_shape(const Call& call, const OutputPlan& p) {
-  static const std::set<std::string> flat_factories{"arange", "range", "linspace", "logspace"};
-  if (!flat_factories.count(base_name(call.schema))) return false;
+  if (!has_cpu_rule(call.schema, lowering::kKeepsOutShape)) return false;
   at::Tensor out = item_tensor(call.args[p.arg], p.item);
   return !out.sizes().equals(p.dims) && out.numel() == c10::multiply_integers(p.dims);
 }
@@ -463,6 +447,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
   apply_cpu_layout_rules(call, cached->meta);
   apply_cpu_norm_stats_rules(call, cached->meta);
   cached->entry = &entry;
+  if (entry.prepare) prepare_rule(call, *cached);  // a lowering written in Python readies itself for these types
   // A lowering that does not declare complex support never computes a complex
   // result (real inputs, complex outputs: _to_copy, a factory with a dtype).
   for (const OutputMeta& o : cached->meta.outputs)
@@ -493,8 +478,7 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
 // with the CPU's error; indices on the device are checked by the program,
 // whose verdict surfaces at the next wait (Runtime checks, architecture.md).
 void check_host_indices(const Call& call) {
-  const std::string& base = base_name(call.schema);
-  if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
+  if (!has_cpu_rule(call.schema, lowering::kHostIndices)) return;
   const auto& list = call.args[*call.schema.argumentIndexWithName("indices")];
   const at::Tensor& self = call.args[*call.schema.argumentIndexWithName("self")].toTensor();
   if (!list.isList()) return;

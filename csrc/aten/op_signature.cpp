@@ -264,6 +264,10 @@ std::optional<OpKey> op_key(Call& call, const SchemaFacts& facts, const Growth& 
   // torch.set_float32_matmul_precision: how float32 dots and convolutions compute (never
   // in an elementwise lowering; reading it is a hash lookup per op).
   kb.key += entry.elementwise ? '-' : static_cast<char>('0' + static_cast<int>(float32_precision()));
+  if (!entry.key_tag.empty()) {  // a rule registered from Python: its own programs, and refused arguments apart
+    kb.key += entry.key_tag;
+    for (const std::string& name : non_default_arguments(call)) kb.key += "!" + name;
+  }
   const RuntimeLength& length = growth.length;
   if (growth.flat.capacity > 0) {
     kb.shapeless = true;
@@ -311,6 +315,27 @@ lowering::Builder::Precision float32_precision() {
 }
 
 // ---- dtype mapping --------------------------------------------------------
+
+at::ScalarType scalar_type_of(ElementType e) {
+  switch (e) {
+    case ElementType::Pred: return at::kBool;
+    case ElementType::S8: return at::kChar;
+    case ElementType::S16: return at::kShort;
+    case ElementType::S32: return at::kInt;
+    case ElementType::S64: return at::kLong;
+    case ElementType::U8: return at::kByte;
+    case ElementType::U16: return at::kUInt16;
+    case ElementType::U32: return at::kUInt32;
+    case ElementType::U64: return at::kUInt64;
+    case ElementType::F16: return at::kHalf;
+    case ElementType::BF16: return at::kBFloat16;
+    case ElementType::F32: return at::kFloat;
+    case ElementType::F64: return at::kDouble;
+    case ElementType::C64: return at::kComplexFloat;
+    case ElementType::C128: return at::kComplexDouble;
+  }
+  return at::kFloat;
+}
 
 std::optional<ElementType> element_of(at::ScalarType t) {
   switch (t) {
@@ -382,12 +407,7 @@ at::Tensor item_tensor(const c10::IValue& v, int item) {
   return opt.isNone() ? at::Tensor() : opt.toTensor();
 }
 namespace {
-std::string make_base_name(const c10::FunctionSchema& s) {
-  std::string name = s.name();
-  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
-  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.pop_back();
-  return name;
-}
+std::string make_base_name(const c10::FunctionSchema& s) { return lowering::base_name_of(s.name()); }
 }  // namespace
 
 namespace {
@@ -410,7 +430,8 @@ const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
   thread_local const c10::FunctionSchema* last = nullptr;
   thread_local const SchemaFacts* last_facts = nullptr;
   thread_local uint64_t last_epoch = 0;
-  const uint64_t epoch = g_schema_epoch.load(std::memory_order_acquire);
+  // Rules registered at runtime (register_lowering, the platform once known) renew every schema's facts.
+  const uint64_t epoch = g_schema_epoch.load(std::memory_order_acquire) + lowering::rules_epoch();
   if (&s == last && epoch == last_epoch) return *last_facts;
   last = &s;
   last_epoch = epoch;
@@ -425,11 +446,13 @@ const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
   bool same = name.size() == base.size() + (overload.empty() ? 0 : overload.size() + 1) &&
               name.compare(0, base.size(), base) == 0 &&
               (overload.empty() || (name[base.size()] == '.' && name.compare(base.size() + 1, overload.size(), overload) == 0));
-  if (same) return facts;
+  if (same && facts.epoch == epoch) return facts;
   facts = SchemaFacts{};
+  facts.epoch = epoch;
   facts.op_name = overload.empty() ? base : base + "." + overload;
   facts.base_name = make_base_name(s);
-  facts.entry = lowering::find_lowering(facts.base_name);
+  facts.rule = lowering::find_rule(facts.base_name, overload, lowering::current_platform());
+  facts.entry = facts.rule && facts.rule->fn ? facts.rule : nullptr;
   facts.is_copy = facts.base_name == "copy";
   facts.is_copy_ = base == "aten::copy_";
   facts.is_cat = facts.op_name == "aten::cat";
@@ -449,6 +472,10 @@ const SchemaFacts& schema_facts(const c10::FunctionSchema& s) {
 }
 const std::string& op_name(const c10::FunctionSchema& s) { return schema_facts(s).op_name; }
 const std::string& base_name(const c10::FunctionSchema& s) { return schema_facts(s).base_name; }
+bool has_cpu_rule(const c10::FunctionSchema& s, uint32_t bits) {
+  const lowering::OpRule* rule = schema_facts(s).rule;
+  return rule && (rule->cpu_rules & bits);
+}
 
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
   std::string text = op_name(schema) + "(";
@@ -463,6 +490,23 @@ std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c
     });
   }
   return text + ")";
+}
+
+std::vector<std::string> non_default_arguments(const Call& call) {
+  std::vector<std::string> names;
+  const auto& arguments = call.schema.arguments();
+  for (size_t i = 0; i < arguments.size() && i < call.args.size(); ++i) {
+    const c10::TypePtr& type = arguments[i].type();
+    bool tensor = type->kind() == c10::TypeKind::TensorType ||
+                  (type->kind() == c10::TypeKind::OptionalType && type->containedType(0)->kind() == c10::TypeKind::TensorType);
+    if (tensor) continue;
+    const c10::IValue& v = call.args[i];
+    const auto& d = arguments[i].default_value();
+    bool numbers = d && v.isScalar() && d->isScalar() && !v.isComplexDouble() && !d->isComplexDouble();
+    bool same = d && (v.isNone() ? d->isNone() : numbers ? v.toScalar().toDouble() == d->toScalar().toDouble() : *d == v);
+    if (!same) names.push_back(arguments[i].name());
+  }
+  return names;
 }
 
 }  // namespace torch_pjrt

@@ -5,6 +5,7 @@
 #pragma once
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "aten/growth.h"
 #include "aten/op_call.h"
@@ -29,6 +30,10 @@ struct OpKey {
 std::optional<OpKey> op_key(Call& call, const SchemaFacts& facts, const Growth& growth, std::string* why);
 // Appends a number to a key as the key's own numbers are written.
 void append_key_number(std::string& key, int64_t v);
+
+// The call's non-Tensor arguments whose value is not the schema's default (add's alpha=2). A rule that sees
+// only tensors (register_lowering) keys them and refuses such a call, which then runs on the CPU.
+std::vector<std::string> non_default_arguments(const Call& call);
 
 // torch.get_float32_matmul_precision() as the lowering's precision (part of the key and of the plan).
 lowering::Builder::Precision float32_precision();

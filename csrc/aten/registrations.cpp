@@ -14,6 +14,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <set>
 
 #include "aten/device.h"
@@ -231,10 +232,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 
 // Ops whose generic (CompositeExplicitAutograd) kernels would route to a
 // device hook that throws (convolution_overrideable) or reject devices other
-// than CPU/CUDA/XPU (mode's out= form): send them to the lowerings (or the CPU).
+// than CPU/CUDA/XPU (mode's out= form): their rules send them to the lowerings
+// (or the CPU), Route::ToLowering.
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  for (const char* name : {"convolution", "convolution_backward", "mode.values"})
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+  for (const std::string& name : lowering::rule_names()) {
+    const lowering::OpRule* rule = lowering::find_rule(lowering::base_name_of(name), lowering::overload_of(name), "");
+    if (rule && rule->route == lowering::Route::ToLowering)
+      m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
+  }
 }
 
 // _copy_from's schema does not mark `dst` as written, so PyTorch's conjugate
@@ -256,24 +261,27 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 
 }  // namespace
 
-void register_lowered_kernels() {
-  // Ops routed elsewhere on purpose: copies across devices go through
-  // _copy_from, and _to_copy may change device.
-  static const std::set<std::string> keep_generic{"copy", "_to_copy"};
-  static torch::Library* library = nullptr;
-  if (library) return;
-  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+void register_lowered_kernels(const lowering::OpRule* overriding) {
+  // Each call adds the ops that gained a lowering since (torch_pjrt.register_lowering); ops with a kernel
+  // of their own on the device keep it, unless `overriding` is their rule (a lowering registered for
+  // them from Python replaces a Python decomposition's kernel too).
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::Library* library = nullptr;  // never destroyed: its kernels stay registered
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = dispatcher.findOp(name);
     if (!op || !op->hasSchema()) continue;
-    std::string base = base_name(op->schema());
-    if (keep_generic.count(base) || !lowering::find_lowering(base)) continue;
+    // Ops routed elsewhere on purpose keep their generic kernels (Route::KeepGeneric: copies across devices).
+    const lowering::OpRule* rule = lowering::find_rule(base_name(op->schema()), name.overload_name, "");
+    if (!rule || !rule->fn || rule->route == lowering::Route::KeepGeneric) continue;
     // Implicit composites must decompose above autograd; existing kernels stay.
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+        (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) && rule != overriding))
       continue;
+    if (!library)
+      library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
     library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
   }

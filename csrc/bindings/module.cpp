@@ -5,7 +5,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
+#include <atomic>
 #include <map>
+#include <mutex>
 
 #include "aten/call_context.h"
 #include "aten/collectives.h"
@@ -32,6 +34,141 @@ namespace {
 struct ReplayHandle {  // opaque to Python: a compiled graph's replay plan
   std::shared_ptr<ReplayPlan> plan;
 };
+}  // namespace
+
+namespace {
+
+// The op's rule as Python sees it (torch_pjrt.op_traits): None if it has none. `name` is
+// "aten::add_.Tensor", "add" or "mode.values"; `platform` defaults to the client's.
+py::object op_traits(const std::string& name, std::optional<std::string> platform) {
+  const lowering::OpRule* r = lowering::find_rule(lowering::base_name_of(name), lowering::overload_of(name),
+                                                  platform ? *platform : lowering::current_platform());
+  if (!r) return py::none();
+  py::dict d;
+  d["lowering"] = static_cast<bool>(r->fn);
+  d["platform"] = r->platform;
+  d["user_lowering"] = !r->key_tag.empty();
+  d["elementwise"] = r->elementwise;
+  d["complex"] = r->complex;
+  d["length_padding"] = r->length_padding ? py::cast(*r->length_padding) : py::none();
+  d["bake_scalars"] = r->bake_scalars;
+  d["extra_writes"] = r->extra_writes;
+  d["runtime_floats"] = r->runtime_floats;
+  py::list cpu;
+  static const std::pair<uint32_t, const char*> cpu_names[] = {
+      {lowering::kAlphaCheck, "alpha_check"},      {lowering::kIndexPutValues, "index_put_values"},
+      {lowering::kHostIndices, "host_indices"},    {lowering::kLayerNormStats, "layer_norm_stats"},
+      {lowering::kBatchNormStats, "batch_norm_stats"}, {lowering::kConvLayout, "conv_layout"},
+      {lowering::kPool2dLayout, "pool2d_layout"},  {lowering::kPool3dLayout, "pool3d_layout"},
+      {lowering::kKeepsOutShape, "keeps_out_shape"}, {lowering::kCudaDtypes, "cuda_dtypes"}};
+  for (const auto& [bit, label] : cpu_names)
+    if (r->cpu_rules & bit) cpu.append(label);
+  d["cpu_rules"] = cpu;
+  d["internal_overlap_ok"] = r->internal_overlap_ok;
+  d["inputs_overlap_unchecked"] = r->inputs_overlap_unchecked;
+  d["no_aliasing"] = r->no_aliasing;
+  d["no_aliasing_with"] = r->no_aliasing_with;
+  d["route"] = r->route == lowering::Route::KeepGeneric ? "keep_generic"
+               : r->route == lowering::Route::ToLowering ? "to_lowering" : "default";
+  d["skip_decomposition"] = r->skip_decomposition;
+  return d;
+}
+
+// A lowering written in Python (torch_pjrt.register_lowering). `lower(args, outputs)` gets the op's
+// Tensor arguments as (shape, dtype) or None and its outputs as (shape, dtype), registers a function
+// with _register_external_function and returns its key. It runs when the op is planned for new types,
+// on the calling thread (the GIL taken there, as a Python kernel takes it); the lowering itself, which
+// a fused graph may run later under its lock, only looks the key up.
+struct PythonLowering {
+  py::object lower;  // never released: rules live as long as the process
+  std::mutex mutex;
+  std::map<std::string, std::string> keys;  // argument and output types -> the registered function's key
+};
+
+std::string types_signature(lowering::Context& c) {
+  std::string sig;
+  auto add = [&](ElementType e, const lowering::Dims& dims) {
+    sig += std::to_string(static_cast<int>(e)) + "[";
+    for (int64_t d : dims) sig += std::to_string(d) + ",";
+    sig += "]";
+  };
+  for (const std::string& name : c.tensor_arguments()) {
+    if (c.is_tensor(name)) add(c.tensor_element(name), c.tensor_dims(name));
+    else sig += "-";
+  }
+  sig += "->";
+  for (size_t i = 0; i < c.output_count(); ++i) add(c.output(i).element, c.output(i).dims);
+  return sig;
+}
+
+void register_python_lowering(const std::string& name, py::object lower) {
+  auto state = std::shared_ptr<PythonLowering>(new PythonLowering{std::move(lower), {}, {}}, [](PythonLowering*) {});
+  const std::string base = lowering::base_name_of(name), overload = lowering::overload_of(name);
+  const std::string key = overload.empty() ? base : base + "." + overload;
+  lowering::OpRule rule;
+  // What the CPU kernel checks and how the op is routed stay the op's; the lowering's own traits do not
+  // carry over (the JAX function is not known to be elementwise, to take padding or complex values).
+  if (const lowering::OpRule* old = lowering::find_rule(base, overload, "")) {
+    rule.cpu_rules = old->cpu_rules;
+    rule.internal_overlap_ok = old->internal_overlap_ok;
+    rule.inputs_overlap_unchecked = old->inputs_overlap_unchecked;
+    rule.no_aliasing = old->no_aliasing;
+    rule.no_aliasing_with = old->no_aliasing_with;
+    rule.route = old->route == lowering::Route::KeepGeneric ? lowering::Route::Default : old->route;
+  }
+  static std::atomic<int> serial{0};
+  rule.key_tag = "#py" + std::to_string(++serial);
+  rule.prepare = [state](lowering::Context& c) {
+    // fn sees only the tensors: a call that sets another argument (alpha=2) runs on the CPU, never silently without it.
+    if (auto others = c.non_default_arguments(); !others.empty())
+      throw lowering::Unsupported("a lowering from register_lowering takes only tensors; this call sets '" + others[0] + "'");
+    std::string sig = types_signature(c);
+    {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (state->keys.count(sig)) return;
+    }
+    std::string key, error;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        py::list args, outs;
+        for (const std::string& arg : c.tensor_arguments()) {
+          if (!c.is_tensor(arg)) {
+            args.append(py::none());
+            continue;
+          }
+          args.append(py::make_tuple(c.tensor_dims(arg), scalar_type_of(c.tensor_element(arg))));
+        }
+        for (size_t i = 0; i < c.output_count(); ++i)
+          outs.append(py::make_tuple(c.output(i).dims, scalar_type_of(c.output(i).element)));
+        key = state->lower(args, outs).cast<std::string>();
+      } catch (py::error_already_set& e) {
+        error = e.what();  // raised below, without the GIL: the error holds Python objects
+      }
+    }
+    if (!error.empty()) throw std::runtime_error(error);
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->keys.emplace(sig, key);
+  };
+  rule.fn = [state](lowering::Context& c) {
+    std::string sig = types_signature(c);
+    std::string key;
+    {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      auto it = state->keys.find(sig);
+      if (it == state->keys.end()) throw lowering::Unsupported("register_lowering: not prepared for these types");
+      key = it->second;
+    }
+    std::vector<lowering::Value> operands;
+    for (const std::string& arg : c.tensor_arguments())
+      if (c.is_tensor(arg)) operands.push_back(c.tensor(arg));
+    return lowering::call_external(c, key, operands);
+  };
+  lowering::register_rule(key, std::move(rule));
+  // An op that had no lowering may need the device's kernel now (in place of a decomposition's).
+  register_lowered_kernels(lowering::find_rule(base, overload, ""));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -62,7 +199,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_setting_flag", &graph::settings::flag);
   m.def("_setting_integer", [](const std::string& name, int64_t minimum) { return graph::settings::integer(name, minimum); });
   register_dist_backend_bindings(m);
-  m.def("_register_lowered_kernels", &register_lowered_kernels);
+  m.def("_register_lowered_kernels", [] { register_lowered_kernels(); });
   m.def("_note_cpu_fallback", &note_cpu_fallback);
   m.def("_plugin_path", &plugin_path);
   m.def("_runtime_started", &runtime_started);
@@ -186,6 +323,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_max_memory_allocated", &max_memory_allocated);
   m.def("_reset_peak_memory", &reset_peak_memory);
   m.def("_lowered_ops", &lowering::lowered_op_names);
+  m.def("_op_base_name", &lowering::base_name_of);
+  m.def("_op_traits", &op_traits, py::arg("name"), py::arg("platform") = py::none());
+  m.def("_register_lowering", &register_python_lowering);
   m.def("_register_external_function", &lowering::register_external_function, py::arg("key"), py::arg("symbol"),
         py::arg("definitions"), py::arg("unsupported") = "");
   m.def("_metrics", [] {

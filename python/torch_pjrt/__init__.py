@@ -39,7 +39,7 @@ from . import _data_dependent
 from . import _compile
 from .device_loader import DeviceLoader
 
-__all__ = ["DeviceLoader", "jax_op", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+__all__ = ["DeviceLoader", "jax_op", "register_lowering", "op_traits", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops", "explain"]
 
 MODES = ("debug", "strict", "fused", "lazy")
@@ -423,6 +423,28 @@ def jax_op(name: str, fn=None):
     from . import _jax
 
     return _jax.jax_op(name, fn)
+
+
+def register_lowering(name: str, fn) -> None:
+    """Lowers the ATen op `name` ("aten::tanh", "aten::add.Tensor") with fn, a JAX function of the op's
+    Tensor arguments (in schema order; None for an absent optional one) returning its results.
+
+    It replaces the op's built-in lowering, or gives one to an op that ran on the CPU. The rule is
+    looked up by overload, then base name: "aten::tanh" covers tanh, tanh_ and tanh.out. Each result is
+    converted to the dtype PyTorch's meta kernel says; its shape must be the meta kernel's. Needs jax.
+    """
+    from . import _jax
+
+    _jax.register_lowering(name, fn)
+
+
+def op_traits(name: str, platform: str | None = None):
+    """The op's rule (a dict of its traits: lowering, elementwise, complex, cpu_rules, route, ...), or None.
+
+    `name` is "aten::add_.Tensor", "add" or "mode.values"; looked up by overload, then base name, and
+    for `platform` (default: the device's) before every platform.
+    """
+    return _C._op_traits(name, platform)
 
 
 def platform() -> dict:

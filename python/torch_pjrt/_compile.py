@@ -34,27 +34,17 @@ from . import _settings
 BACKEND = "tpu"
 
 
-def _base_name(op) -> str:
-    name = op._schema.name
-    if name.startswith("aten::"):
-        name = name[len("aten::"):]
-    if name.endswith("_") and not name.endswith("__"):
-        name = name[:-1]
-    return name
-
-
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     """Core ATen decompositions for the ops our lowerings lack (lowered ops stay whole)."""
     from torch._decomp import core_aten_decompositions, get_decompositions
 
-    lowered = set(_C._lowered_ops())
     table = dict(core_aten_decompositions())
     # In torch 2.13's core set, not in older ones (2.11 left aten::take to the CPU).
     table.update({op: fn for op, fn in get_decompositions([torch.ops.aten.take, torch.ops.aten.take_along_dim]).items()
                   if op not in table})
     return {op: fn for op, fn in table.items()
-            if isinstance(op, torch._ops.OpOverload) and _base_name(op) not in lowered}
+            if isinstance(op, torch._ops.OpOverload) and not (_C._op_traits(op.name()) or {}).get("lowering")}
 
 
 _caller_mode = threading.local()  # the mode the user's code runs in, while a compiled call runs fused

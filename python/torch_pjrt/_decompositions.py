@@ -23,9 +23,6 @@ counts: collections.Counter = collections.Counter()  # op -> decomposed calls
 _library = None
 _active = threading.local()
 
-# Data-dependent output shapes: device kernels in _data_dependent.py.
-_SKIP = {"aten::nonzero", "aten::unique", "aten::masked_select"}
-
 
 def _as_schema_types(op, args):
     """Python kernels receive wrapped numbers (the `1` in `1 << t`) as Python
@@ -271,15 +268,16 @@ def register() -> None:
     for name, (cubic, antialias) in _resample_uint8.OPS.items():
         op = getattr(torch.ops.aten, name).default
         _library.impl(op, _resample_kernel(op, f"aten::{name}", cubic, antialias), "PrivateUse1")
-    lowered = set(_C._lowered_ops())
     for op, fn in decomposition_table.items():
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
             continue
         schema = op._schema
         qualified = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-        base = schema.name.split("::")[1]
-        base = base[:-1] if base.endswith("_") and not base.endswith("__") else base
-        if (base in lowered or schema.name in _SKIP or schema.is_mutable or not _reaches_fallback(qualified)
+        base = _C._op_base_name(schema.name)
+        # The op's rule (lowering.h): lowered ops, and ops with a device kernel of their own
+        # (skip_decomposition: data-dependent shapes, _data_dependent.py), keep no decomposition.
+        rule = _C._op_traits(qualified) or {}
+        if (rule.get("lowering") or rule.get("skip_decomposition") or schema.is_mutable or not _reaches_fallback(qualified)
                 or (base in _resample_uint8.OPS and not schema.overload_name)):
             continue
         fn = _OWN_DECOMPOSITIONS.get(base, fn)

@@ -298,3 +298,39 @@ def jax_op(name: str, fn=None):
     if fn is None:
         return lambda f: jax_op(name, f)
     return JaxFunction(name, fn)
+
+
+def register_lowering(name: str, fn) -> None:
+    """torch_pjrt.register_lowering: fn (JAX) becomes the lowering of the ATen op `name`.
+
+    The C++ rule calls `lower` when it plans the op for new argument types: it lowers fn for them with
+    the jax_op machinery (_register_lowering) and returns the registered function's key.
+    """
+    _jax()  # jax must be there now, not at the op's first call
+    import jax.numpy as jnp
+
+    def lower(args, outs):
+        present = [i for i, a in enumerate(args) if a is not None]
+        expected = [(tuple(shape), dtype) for shape, dtype in outs]
+
+        def call(*xs):
+            full = [None] * len(args)
+            for i, x in zip(present, xs):
+                full[i] = x
+            results = _jax().tree_util.tree_leaves(fn(*full))
+            if len(results) != len(expected):
+                raise ValueError(f"register_lowering({name!r}): the JAX function returns {len(results)} arrays, "
+                                 f"the op {len(expected)}")
+            converted = []
+            for k, (r, (shape, dtype)) in enumerate(zip(results, expected)):
+                if tuple(r.shape) != shape:
+                    raise ValueError(f"register_lowering({name!r}): result {k} has shape {list(r.shape)}, "
+                                     f"the op's is {list(shape)}")
+                converted.append(jnp.asarray(r).astype(_torch_dtype_to_jax(dtype)))
+            return tuple(converted)
+
+        stand_ins = [torch.empty(args[i][0], dtype=args[i][1], device="meta") for i in present]
+        return _register_lowering(call, stand_ins, name)
+
+    _define_jax_call()  # the jax_call op's meta kernel knows the registered functions
+    _C._register_lowering(name, lower)

@@ -47,6 +47,14 @@ std::vector<Value> lower_jax_call(Context& c) {
 
 }  // namespace
 
+std::vector<Value> call_external(Context& c, const std::string& key, const std::vector<Value>& operands) {
+  ExternalFunction f = find_external(key);
+  if (!f.unsupported.empty()) throw Unsupported(f.unsupported);
+  std::vector<TensorType> results;
+  for (size_t i = 0; i < c.output_count(); ++i) results.push_back(TensorType{c.output(i).element, c.output(i).dims});
+  return c.b.call(f.symbol, f.definitions, operands, results);
+}
+
 void register_external_function(const std::string& key, const std::string& symbol, const std::string& definitions,
                                 const std::string& unsupported) {
   std::lock_guard<std::mutex> lock(g_external_mutex);

@@ -329,13 +329,24 @@ std::vector<Value> lower_embedding_dense_backward(Context& c) {
 }  // namespace
 
 void register_indexing(Table& t) {
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"gather", lower_gather}, {"scatter", lower_scatter}, {"scatter_add", lower_scatter_add},
+  add_lowerings(t, {
+           {"gather", lower_gather, kComplex}, {"scatter", lower_scatter, kComplex}, {"scatter_add", lower_scatter_add, kComplex},
            {"scatter_reduce", lower_scatter_reduce}, {"index_reduce", lower_index_reduce},
-           {"index_select", lower_index_select}, {"index", lower_index}, {"_index_put_impl", lower_index_put},
-           {"index_put", lower_index_put}, {"index_copy", lower_index_copy}, {"embedding_dense_backward", lower_embedding_dense_backward}})
-    add_lowering(t, name, fn);
-  allow_runtime_length(t, "index", 0);  // padded index lanes read element 0; checks use the runtime size
+           {"index_select", lower_index_select, kComplex}, {"index", lower_index, kComplex}, {"_index_put_impl", lower_index_put, kComplex},
+           {"index_put", lower_index_put, kComplex}, {"index_copy", lower_index_copy}, {"embedding_dense_backward", lower_embedding_dense_backward}});
+  rule(t, "index").length_padding(0).cpu(kHostIndices);  // padded index lanes read element 0; checks use the runtime size
+  for (const char* name : {"index_put", "_index_put_impl"})
+    rule(t, name).cpu(kIndexPutValues | kHostIndices).internal_overlap_ok().no_aliasing();
+  // Index kernels reject even full aliasing of their output with an input (at::assert_no_overlap): an out=
+  // the very tensor they read would be read while written. gather: with `self` only.
+  for (const char* name : {"index_copy", "scatter", "scatter_add", "scatter_reduce", "index_reduce", "index_select"})
+    rule(t, name).no_aliasing();
+  rule(t, "gather").no_aliasing_with({"self"});
+  // Not lowered (they run on the CPU); the CPU writes an overlapping output of a constant fill.
+  rule(t, "index_fill").internal_overlap_ok().inputs_overlap_unchecked();
+  rule(t, "masked_scatter").inputs_overlap_unchecked();
+  // Data-dependent result shapes: device kernels in _data_dependent.py, not torch._decomp's.
+  for (const char* name : {"nonzero", "unique", "masked_select"}) rule(t, name).skip_decomposition();
 }
 
 }  // namespace torch_pjrt::lowering

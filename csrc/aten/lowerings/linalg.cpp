@@ -51,10 +51,11 @@ std::vector<Value> lower_addmv(Context& c) { return {scale_and_add(c, product(c,
 }  // namespace
 
 void register_linalg(Table& t) {
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"mm", lower_mm}, {"bmm", lower_bmm}, {"mv", lower_mv}, {"dot", lower_dot}, {"vdot", lower_vdot},
-           {"addmm", lower_addmm}, {"baddbmm", lower_baddbmm}, {"addbmm", lower_addbmm}, {"addmv", lower_addmv}})
-    add_lowering(t, name, fn);
+  add_lowerings(t, {
+           {"mm", lower_mm, kComplex}, {"bmm", lower_bmm, kComplex}, {"mv", lower_mv, kComplex}, {"dot", lower_dot, kComplex}, {"vdot", lower_vdot, kComplex},
+           {"addmm", lower_addmm, kComplex}, {"baddbmm", lower_baddbmm, kComplex}, {"addbmm", lower_addbmm, kComplex}, {"addmv", lower_addmv, kComplex}});
+  // The CPU's matmul kernels check no overlap of their output with the inputs.
+  for (const char* name : {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv"}) rule(t, name).inputs_overlap_unchecked();
 }
 
 }  // namespace torch_pjrt::lowering

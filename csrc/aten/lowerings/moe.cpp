@@ -158,8 +158,9 @@ std::vector<Value> lower_grouped_mm(Context& c) {
 }  // namespace
 
 void register_moe(Table& t) {
-  add_lowering(t, "index_add", lower_index_add);
-  add_lowering(t, "histc", lower_histc, /*bake_scalars=*/true);  // min/max decide the bins' edges
+  add_lowering(t, "index_add", lower_index_add).no_aliasing();
+  // min/max decide the bins' edges; integer inputs follow CUDA, which the CPU kernel lacks.
+  add_lowering(t, "histc", lower_histc, /*bake_scalars=*/true).cpu(kCudaDtypes);
   add_lowering(t, "_grouped_mm", lower_grouped_mm);
 }
 

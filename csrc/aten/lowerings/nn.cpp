@@ -757,7 +757,7 @@ std::vector<Value> lower_gru_cell_backward(Context& c) {
 }  // namespace
 
 void register_nn(Table& t) {
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
+  add_lowerings(t, {
            {"_softmax", lower_softmax}, {"_log_softmax", lower_log_softmax},
            {"_softmax_backward_data", lower_softmax_backward},
            {"_log_softmax_backward_data", lower_log_softmax_backward}, {"convolution", lower_convolution},
@@ -776,9 +776,14 @@ void register_nn(Table& t) {
            {"nll_loss2d_forward", lower_nll_loss}, {"nll_loss_backward", lower_nll_loss_backward},
            {"nll_loss2d_backward", lower_nll_loss_backward}, {"_thnn_fused_lstm_cell", lower_lstm_cell},
            {"_thnn_fused_lstm_cell_backward_impl", lower_lstm_cell_backward},
-           {"_thnn_fused_gru_cell", lower_gru_cell}, {"_thnn_fused_gru_cell_backward", lower_gru_cell_backward}})
-    add_lowering(t, name, fn);
-  add_lowering(t, "native_batch_norm", lower_batch_norm, false, {"running_mean", "running_var"});
+           {"_thnn_fused_gru_cell", lower_gru_cell}, {"_thnn_fused_gru_cell_backward", lower_gru_cell_backward}});
+  add_lowering(t, "native_batch_norm", lower_batch_norm, false, {"running_mean", "running_var"}).cpu(kBatchNormStats);
+  rule(t, "native_layer_norm").cpu(kLayerNormStats);
+  // CPU kernels choose channels_last results where the meta kernels say row-major. The generic
+  // convolution kernels route to a device hook that throws (convolution_overrideable): sent to the lowering.
+  for (const char* name : {"convolution", "convolution_backward"}) rule(t, name).cpu(kConvLayout).route(Route::ToLowering);
+  for (const char* name : {"max_pool2d_with_indices", "max_pool2d_with_indices_backward"}) rule(t, name).cpu(kPool2dLayout);
+  for (const char* name : {"max_pool3d_with_indices", "max_pool3d_with_indices_backward"}) rule(t, name).cpu(kPool3dLayout);
   // Inference batch norm in torch.compile's graphs. (_native_batch_norm_legit stays on the CPU: its CPU kernel
   // returns saved stats in the input's dtype, and empty ones in eval mode, where its meta kernel says float32 [C].)
   add_lowering(t, "_native_batch_norm_legit_no_training", lower_batch_norm_no_training);

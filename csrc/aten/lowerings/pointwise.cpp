@@ -597,34 +597,36 @@ std::vector<Value> lower_elu(Context& c) {
 }  // namespace
 
 void register_pointwise(Table& t) {
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"abs", lower_abs}, {"neg", lower_neg}, {"exp", lower_exp}, {"expm1", lower_expm1}, {"log", lower_log},
-           {"log1p", lower_log1p}, {"log2", lower_log2}, {"log10", lower_log10}, {"exp2", lower_exp2},
-           {"sqrt", lower_sqrt}, {"rsqrt", lower_rsqrt}, {"sin", lower_sin}, {"cos", lower_cos}, {"tan", lower_tan},
-           {"tanh", lower_tanh}, {"sigmoid", lower_sigmoid}, {"ceil", lower_ceil}, {"floor", lower_floor},
-           {"round", lower_round}, {"sign", lower_sign}, {"sgn", lower_sign}, {"asin", lower_asin},
-           {"acos", lower_acos}, {"atan", lower_atan}, {"sinh", lower_sinh}, {"cosh", lower_cosh},
-           {"asinh", lower_asinh}, {"acosh", lower_acosh}, {"atanh", lower_atanh}, {"erf", lower_erf},
+  // kElementwise: the ops generation applies to its growing bookkeeping (a mask's `.bool()`, `masked_fill_`,
+  // comparisons): no runtime checks (integer division has one), no use of the shape.
+  add_lowerings(t, {
+           {"abs", lower_abs, kComplex | kElementwise}, {"neg", lower_neg, kComplex | kElementwise}, {"exp", lower_exp, kComplex}, {"expm1", lower_expm1, kComplex}, {"log", lower_log, kComplex},
+           {"log1p", lower_log1p, kComplex}, {"log2", lower_log2, kComplex}, {"log10", lower_log10, kComplex}, {"exp2", lower_exp2, kComplex},
+           {"sqrt", lower_sqrt, kComplex}, {"rsqrt", lower_rsqrt, kComplex}, {"sin", lower_sin, kComplex}, {"cos", lower_cos, kComplex}, {"tan", lower_tan, kComplex},
+           {"tanh", lower_tanh, kComplex}, {"sigmoid", lower_sigmoid, kComplex}, {"ceil", lower_ceil}, {"floor", lower_floor},
+           {"round", lower_round}, {"sign", lower_sign}, {"sgn", lower_sign, kComplex}, {"asin", lower_asin, kComplex},
+           {"acos", lower_acos, kComplex}, {"atan", lower_atan, kComplex}, {"sinh", lower_sinh, kComplex}, {"cosh", lower_cosh, kComplex},
+           {"asinh", lower_asinh, kComplex}, {"acosh", lower_acosh, kComplex}, {"atanh", lower_atanh, kComplex}, {"erf", lower_erf},
            {"erfc", lower_erfc}, {"signbit", lower_signbit}, {"hypot", lower_hypot},
            {"erfinv", lower_erfinv}, {"lgamma", lower_lgamma}, {"digamma", lower_digamma},
            {"polygamma", lower_polygamma}, {"special_zeta", lower_zeta},
-           {"reciprocal", lower_reciprocal}, {"trunc", lower_trunc}, {"fix", lower_trunc}, {"frac", lower_frac},
-           {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not}, {"logical_not", lower_logical_not},
-           {"isnan", lower_isnan}, {"isinf", lower_isinf}, {"nan_to_num", lower_nan_to_num},
-           {"add", lower_add}, {"sub", lower_sub}, {"rsub", lower_rsub}, {"mul", lower_mul}, {"div", lower_div},
+           {"reciprocal", lower_reciprocal, kComplex}, {"trunc", lower_trunc}, {"fix", lower_trunc}, {"frac", lower_frac},
+           {"relu", lower_relu}, {"bitwise_not", lower_bitwise_not, kElementwise}, {"logical_not", lower_logical_not, kComplex | kElementwise},
+           {"isnan", lower_isnan, kComplex}, {"isinf", lower_isinf, kComplex}, {"nan_to_num", lower_nan_to_num},
+           {"add", lower_add, kComplex | kElementwise}, {"sub", lower_sub, kComplex | kElementwise}, {"rsub", lower_rsub, kComplex | kElementwise}, {"mul", lower_mul, kComplex | kElementwise}, {"div", lower_div, kComplex},
            {"floor_divide", lower_floor_divide}, {"remainder", lower_remainder}, {"fmod", lower_fmod},
-           {"maximum", binary<k_maximum>}, {"minimum", binary<k_minimum>}, {"atan2", binary<k_atan2>},
-           {"bitwise_and", bitwise<k_and>}, {"bitwise_left_shift", lower_bitwise_left_shift},
-           {"bitwise_right_shift", lower_bitwise_right_shift}, {"bitwise_or", bitwise<k_or>}, {"bitwise_xor", bitwise<k_xor>},
-           {"pow", lower_pow}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and},
-           {"logical_or", lower_logical_or}, {"logical_xor", lower_logical_xor},
-           {"eq", compare<hlo::Compare::EQ>}, {"ne", compare<hlo::Compare::NE>}, {"lt", compare<hlo::Compare::LT>},
-           {"le", compare<hlo::Compare::LE>}, {"gt", compare<hlo::Compare::GT>}, {"ge", compare<hlo::Compare::GE>},
-           {"where", lower_where}, {"clamp", lower_clamp}, {"clamp_min", lower_clamp_min},
-           {"clamp_max", lower_clamp_max}, {"lerp", lower_lerp}, {"addcmul", lower_addcmul},
-           {"addcdiv", lower_addcdiv}, {"masked_fill", lower_masked_fill}, {"fill", lower_fill},
-           {"zero", lower_zero}, {"copy", lower_copy}, {"clone", lower_clone}, {"_to_copy", lower_to_copy},
-           {"gelu", lower_gelu}, {"gelu_backward", lower_gelu_backward}, {"silu", lower_silu},
+           {"maximum", binary<k_maximum>, kElementwise}, {"minimum", binary<k_minimum>, kElementwise}, {"atan2", binary<k_atan2>},
+           {"bitwise_and", bitwise<k_and>, kElementwise}, {"bitwise_left_shift", lower_bitwise_left_shift},
+           {"bitwise_right_shift", lower_bitwise_right_shift}, {"bitwise_or", bitwise<k_or>, kElementwise}, {"bitwise_xor", bitwise<k_xor>, kElementwise},
+           {"pow", lower_pow, kComplex}, {"fmax", lower_fmax}, {"fmin", lower_fmin}, {"logical_and", lower_logical_and, kComplex | kElementwise},
+           {"logical_or", lower_logical_or, kComplex | kElementwise}, {"logical_xor", lower_logical_xor, kComplex | kElementwise},
+           {"eq", compare<hlo::Compare::EQ>, kComplex | kElementwise}, {"ne", compare<hlo::Compare::NE>, kComplex | kElementwise}, {"lt", compare<hlo::Compare::LT>, kElementwise},
+           {"le", compare<hlo::Compare::LE>, kElementwise}, {"gt", compare<hlo::Compare::GT>, kElementwise}, {"ge", compare<hlo::Compare::GE>, kElementwise},
+           {"where", lower_where, kComplex | kElementwise}, {"clamp", lower_clamp}, {"clamp_min", lower_clamp_min},
+           {"clamp_max", lower_clamp_max}, {"lerp", lower_lerp}, {"addcmul", lower_addcmul, kComplex},
+           {"addcdiv", lower_addcdiv, kComplex}, {"masked_fill", lower_masked_fill, kComplex | kElementwise}, {"fill", lower_fill, kComplex | kElementwise},
+           {"zero", lower_zero, kComplex | kElementwise}, {"copy", lower_copy, kComplex | kElementwise}, {"clone", lower_clone, kComplex | kElementwise}, {"_to_copy", lower_to_copy, kComplex | kElementwise},
+           {"gelu", lower_gelu}, {"gelu_backward", lower_gelu_backward}, {"silu", lower_silu, kComplex},
            {"silu_backward", lower_silu_backward}, {"sigmoid_backward", lower_sigmoid_backward},
            {"tanh_backward", lower_tanh_backward}, {"threshold", lower_threshold},
            {"threshold_backward", lower_threshold_backward}, {"leaky_relu", lower_leaky_relu},
@@ -632,15 +634,14 @@ void register_pointwise(Table& t) {
            {"hardtanh_backward", lower_hardtanh_backward}, {"hardsigmoid", lower_hardsigmoid},
            {"hardswish", lower_hardswish}, {"hardsigmoid_backward", lower_hardsigmoid_backward},
            {"hardswish_backward", lower_hardswish_backward}, {"softplus", lower_softplus},
-           {"softplus_backward", lower_softplus_backward}, {"elu", lower_elu}})
-    add_lowering(t, name, fn);
-  // The ops generation applies to its growing bookkeeping (a mask's `.bool()`, `masked_fill_`, comparisons):
-  // no runtime checks (integer division has one), no use of the shape.
-  for (const char* name : {"add", "sub", "rsub", "mul", "neg", "abs", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
-                           "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor",
-                           "bitwise_not", "where", "masked_fill", "fill", "zero", "copy", "clone", "_to_copy", "maximum",
-                           "minimum"})
-    mark_elementwise(t, name);
+           {"softplus_backward", lower_softplus_backward}, {"elu", lower_elu}});
+  for (const char* name : {"add", "sub", "rsub"}) rule(t, name).cpu(kAlphaCheck);
+  // The CPU writes a constant into an overlapping output, and checks no overlap with the inputs.
+  rule(t, "fill").internal_overlap_ok().inputs_overlap_unchecked();
+  rule(t, "masked_fill").internal_overlap_ok().inputs_overlap_unchecked();
+  rule(t, "zero").internal_overlap_ok();
+  // Copies across devices go through _copy_from, and _to_copy may change device: PyTorch's generic kernels.
+  for (const char* name : {"copy", "_to_copy"}) rule(t, name).route(Route::KeepGeneric);
 }
 
 }  // namespace torch_pjrt::lowering

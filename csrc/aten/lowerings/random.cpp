@@ -142,11 +142,10 @@ std::vector<Value> lower_native_dropout_backward(Context& c) {
 }  // namespace
 
 void register_random(Table& t) {
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"uniform", lower_uniform}, {"normal", lower_normal}, {"bernoulli", lower_bernoulli},
+  add_lowerings(t, {
+           {"uniform", lower_uniform}, {"normal", lower_normal, kComplex}, {"bernoulli", lower_bernoulli},
            {"exponential", lower_exponential}, {"native_dropout", lower_native_dropout},
-           {"native_dropout_backward", lower_native_dropout_backward}})
-    add_lowering(t, name, fn);
+           {"native_dropout_backward", lower_native_dropout_backward}});
   add_lowering(t, "random", lower_random, /*bake_scalars=*/true);
 }
 

@@ -218,13 +218,15 @@ std::vector<Value> lower_eye(Context& c) {
 }  // namespace
 
 void register_shape(Table& t) {
-  add_lowering(t, "arange", lower_arange, /*bake_scalars=*/true);
-  add_lowering(t, "linspace", lower_linspace);
+  // The 1-d factories' CPU kernels fill an out= of the right element count in its own shape.
+  add_lowering(t, "arange", lower_arange, /*bake_scalars=*/true).cpu(kKeepsOutShape);
+  add_lowering(t, "linspace", lower_linspace).cpu(kKeepsOutShape);
+  for (const char* name : {"range", "logspace"}) rule(t, name).cpu(kKeepsOutShape);
   add_lowering(t, "eye", lower_eye);
-  for (auto [name, fn] : std::initializer_list<std::pair<const char*, LoweringFn>>{
-           {"cat", lower_cat}, {"constant_pad_nd", lower_constant_pad_nd}, {"flip", lower_flip}, {"roll", lower_roll},
-           {"tril", lower_tril}, {"triu", lower_triu}, {"sort", lower_sort}, {"topk", lower_topk}})
-    add_lowering(t, name, fn);
+  add_lowerings(t, {
+           {"cat", lower_cat, kComplex}, {"constant_pad_nd", lower_constant_pad_nd, kComplex}, {"flip", lower_flip, kComplex}, {"roll", lower_roll, kComplex},
+           {"tril", lower_tril, kComplex}, {"triu", lower_triu, kComplex}, {"sort", lower_sort}, {"topk", lower_topk}});
+  rule(t, "cat").no_aliasing();  // an out= the very tensor it reads would be read while written
 }
 
 }  // namespace torch_pjrt::lowering

@@ -1,5 +1,7 @@
 // The op-name -> lowering table, filled once by the family files.
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <unordered_map>
 
 #include "aten/lowering.h"
@@ -7,63 +9,150 @@
 
 namespace torch_pjrt::lowering {
 
+// Rules are never freed: a plan or a recorded graph keeps a pointer to the
+// rule it was made with, which stays valid when Python replaces the rule.
 struct Table {
-  std::unordered_map<std::string, LoweringEntry> entries;
+  std::unordered_map<std::string, OpRule*> entries;  // "add", "mode.values", "sum@cpu"
 };
 
-void add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars,
-                  std::vector<std::string> extra_writes, std::vector<std::string> runtime_floats) {
-  table.entries[name] = LoweringEntry{fn, bake_scalars, std::move(extra_writes), std::move(runtime_floats)};
-}
-
 namespace {
-LoweringEntry& entry_named(Table& table, const std::string& name) {
-  auto it = table.entries.find(name);
-  PJRT_CHECK(it != table.entries.end(), "internal: no lowering named ", name);
-  return it->second;
+std::string rule_key(std::string_view name, std::string_view platform) {
+  std::string key(name);
+  if (!platform.empty()) key.append("@").append(platform);
+  return key;
 }
 }  // namespace
 
-void mark_elementwise(Table& table, const std::string& name) { entry_named(table, name).elementwise = true; }
-void allow_runtime_length(Table& table, const std::string& name, double padding) {
-  entry_named(table, name).length_padding = padding;
+RuleRef rule(Table& table, const std::string& name, const std::string& platform) {
+  OpRule*& r = table.entries[rule_key(name, platform)];
+  if (!r) {
+    r = new OpRule();
+    r->platform = platform;
+  }
+  return RuleRef(*r);
 }
-void allow_complex(Table& table, const std::string& name) { entry_named(table, name).complex = true; }
+
+RuleRef add_lowering(Table& table, const std::string& name, LoweringFn fn, bool bake_scalars,
+                     std::vector<std::string> extra_writes, std::vector<std::string> runtime_floats) {
+  RuleRef ref = rule(table, name);
+  OpRule& r = ref.rule();
+  r.fn = fn;
+  r.bake_scalars = bake_scalars;
+  r.extra_writes = std::move(extra_writes);
+  r.runtime_floats = std::move(runtime_floats);
+  return ref;
+}
+
+void add_lowerings(Table& table, std::initializer_list<Registration> list, const std::string& platform) {
+  for (const Registration& reg : list) {
+    OpRule& r = rule(table, reg.name, platform).rule();
+    r.fn = reg.fn;
+    r.complex = r.complex || (reg.traits & kComplex);
+    r.elementwise = r.elementwise || (reg.traits & kElementwise);
+  }
+}
 
 namespace {
-const Table& table() {
-  static const Table t = [] {
-    Table t;
-    register_pointwise(t);
-    register_reduction(t);
-    register_linalg(t);
-    register_shape(t);
-    register_indexing(t);
-    register_nn(t);
-    register_random(t);
-    register_amp(t);
-    register_optim(t);
-    register_moe(t);
-    register_attention(t);
-    register_external(t);
-    register_complex(t);
+std::mutex g_rules_mutex;  // guards the table against register_rule
+std::atomic<uint64_t> g_rules_epoch{1};
+std::string g_platform;
+
+Table& table() {
+  static Table& t = *[] {
+    auto* t = new Table();  // never destroyed: see Table
+    register_pointwise(*t);
+    register_reduction(*t);
+    register_linalg(*t);
+    register_shape(*t);
+    register_indexing(*t);
+    register_nn(*t);
+    register_random(*t);
+    register_amp(*t);
+    register_optim(*t);
+    register_moe(*t);
+    register_attention(*t);
+    register_external(*t);
+    register_complex(*t);
     return t;
   }();
   return t;
 }
+
+const OpRule* lookup(const Table& t, std::string_view name, std::string_view platform) {
+  if (!platform.empty()) {
+    auto it = t.entries.find(rule_key(name, platform));
+    if (it != t.entries.end()) return it->second;
+  }
+  auto it = t.entries.find(std::string(name));
+  return it == t.entries.end() ? nullptr : it->second;
+}
 }  // namespace
 
-const LoweringEntry* find_lowering(std::string_view base_name) {
-  auto it = table().entries.find(std::string(base_name));
-  return it == table().entries.end() ? nullptr : &it->second;
+const OpRule* find_rule(std::string_view base_name, std::string_view overload, std::string_view platform) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(g_rules_mutex);
+  if (!overload.empty()) {
+    std::string named = std::string(base_name) + "." + std::string(overload);
+    if (const OpRule* r = lookup(t, named, platform)) return r;
+  }
+  return lookup(t, base_name, platform);
 }
 
 std::vector<std::string> lowered_op_names() {
   std::vector<std::string> names;
-  for (const auto& [name, entry] : table().entries) names.push_back(name);
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(g_rules_mutex);
+  for (const auto& [name, r] : t.entries)
+    if (r->fn && r->platform.empty()) names.push_back(name);
   std::sort(names.begin(), names.end());
   return names;
 }
+
+std::vector<std::string> rule_names(const std::string& platform) {
+  std::vector<std::string> names;
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(g_rules_mutex);
+  for (const auto& [name, r] : t.entries)
+    if (r->platform == platform) names.push_back(platform.empty() ? name : name.substr(0, name.rfind('@')));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void register_rule(const std::string& name, OpRule r) {
+  Table& t = table();
+  {
+    std::lock_guard<std::mutex> lock(g_rules_mutex);
+    std::string key = rule_key(name, r.platform);
+    t.entries[key] = new OpRule(std::move(r));  // the old record stays alive (see Table)
+  }
+  g_rules_epoch.fetch_add(1, std::memory_order_release);
+}
+
+std::string base_name_of(std::string_view name) {
+  if (name.substr(0, 6) == "aten::") name.remove_prefix(6);
+  if (size_t dot = name.find('.'); dot != std::string_view::npos) name = name.substr(0, dot);
+  // add_ is add's in-place form; __iand__ is a name of its own.
+  if (name.size() > 1 && name.back() == '_' && name[name.size() - 2] != '_') name.remove_suffix(1);
+  return std::string(name);
+}
+
+std::string overload_of(std::string_view name) {
+  size_t dot = name.find('.');
+  return dot == std::string_view::npos ? std::string() : std::string(name.substr(dot + 1));
+}
+
+void set_platform(const std::string& platform) {
+  {
+    std::lock_guard<std::mutex> lock(g_rules_mutex);
+    if (g_platform == platform) return;
+    g_platform = platform;
+  }
+  g_rules_epoch.fetch_add(1, std::memory_order_release);
+}
+const std::string& current_platform() { return g_platform; }
+uint64_t rules_epoch() { return g_rules_epoch.load(std::memory_order_acquire); }
+
+const std::string& Context::platform() const { return current_platform(); }
 
 Dims broadcast_shape(const Dims& a, const Dims& b) {
   size_t rank = std::max(a.size(), b.size());
