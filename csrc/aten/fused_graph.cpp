@@ -314,7 +314,9 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     values.operand_ids = &rec.operand_ids;
     values.next_operand = 0;
     std::vector<lowering::RuntimeCheck> op_checks;
-    b.set_location(op_location(rec.op.schema(), rec.location));  // alias k: the text does not depend on lines
+    hlo::Location where = op_location(rec.op.schema(), rec.location);
+    where.graph_op = static_cast<int64_t>(k);
+    b.set_location(std::move(where));  // alias k: the text above the locations does not depend on them
     try {
       flats = emit_op(b, call, *rec.cached, &values, &op_checks);
     } catch (const std::exception& e) {
@@ -337,20 +339,12 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
   return produced;
 }
 
-// The op a compile error names by its location (the verifier reports an
-// op's "file:line:0: error", or its bare name where the line is unknown),
-// when exactly one op of the graph has that location.
+// The op a compile error names by its location (the StableHLO verifier
+// reports the op's line and, as a call site, its index in the graph).
 std::optional<size_t> op_named_by_error(const PendingGraph& g, const std::string& error) {
-  std::optional<size_t> found;
-  for (size_t k = 0; k < g.ops.size(); ++k) {
-    hlo::Location where = op_location(g.ops[k].op.schema(), g.ops[k].location);
-    std::string mark = where.file.empty() ? "loc(\"" + where.op + "\")"
-                                          : where.file + ":" + std::to_string(where.line) + ":0: error";
-    if (error.find(mark) == std::string::npos) continue;
-    if (found) return std::nullopt;  // two ops at that line: the search below tells them apart
-    found = k;
-  }
-  return found;
+  for (size_t k = 0; k < g.ops.size(); ++k)
+    if (error.find(hlo::graph_op_location_mark(static_cast<int64_t>(k))) != std::string::npos) return k;
+  return std::nullopt;
 }
 
 // After the whole graph failed to compile and its error named no single op:

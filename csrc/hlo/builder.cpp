@@ -131,6 +131,8 @@ std::pair<std::string_view, std::string_view> split_locations(std::string_view m
   return {module_text.substr(0, at), module_text.substr(at)};
 }
 
+std::string graph_op_location_mark(int64_t k) { return "torch_pjrt graph op " + std::to_string(k) + ":0:0: note"; }
+
 void Builder::set_location(Location location) {
   // A name location ("aten::add.Tensor") around a file one; XLA turns them
   // into the HLO instructions' metadata (op_name, source_file, source_line).
@@ -140,6 +142,10 @@ void Builder::set_location(Location location) {
   std::string text;
   if (location.op.empty()) text = file.empty() ? "unknown" : file;
   else text = mlir_string(location.op) + (file.empty() ? "" : "(" + file + ")");
+  // The verifier reports "file:line:0: error" and, for a call site, a note
+  // "torch_pjrt graph op k:0:0: note: called from": the op itself.
+  if (location.graph_op >= 0)
+    text = "callsite(" + text + " at \"torch_pjrt graph op " + std::to_string(location.graph_op) + "\":0:0)";
   location_ = " loc(#op" + std::to_string(locations_.size()) + ")";
   locations_.push_back("loc(" + text + ")");
 }

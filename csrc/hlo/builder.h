@@ -51,7 +51,13 @@ struct Location {
   std::string op;    // "aten::add.Tensor"
   std::string file;  // "" when unknown
   int line = 0;
+  // The op's index in a fused graph (-1: none). Several ops often share a
+  // line; this tells them apart in an error (graph_op_location_mark).
+  int64_t graph_op = -1;
 };
+// What a verifier error's text holds for an op of `Location::graph_op` k:
+// its location is a call site, the user's line called from "torch_pjrt graph op k".
+std::string graph_op_location_mark(int64_t k);
 
 // The module text's tail that holds the ops' locations: after this marker,
 // one "#opN = loc(...)" alias per location. Ops refer to their alias by

@@ -321,14 +321,15 @@ TEST(Builder, CompileErrorNamesTheOpsLocation) {
   auto x = b.parameter({ElementType::F32, {3}});
   b.set_location({"aten::mul.Tensor", "train.py", 12});
   auto y = b.binary("multiply", x, x);
-  b.set_location({"aten::tanh", "train.py", 13});
+  b.set_location({"aten::tanh", "train.py", 13, /*graph_op=*/5});
   auto z = b.reshape(y, {4});  // 3 elements: the verifier rejects it
   try {
     client()->compile(b.finish({z}), {});
     FAIL() << "expected an error";
   } catch (const pjrt::Error& e) {
-    // The verifier names the line (the op's name goes to the HLO metadata).
+    // The verifier names the line and the graph op (the op's name goes to the HLO metadata).
     EXPECT_NE(std::string(e.what()).find("train.py:13:0: error"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(hlo::graph_op_location_mark(5)), std::string::npos) << e.what();
   }
 }
 
