@@ -428,6 +428,7 @@ std::vector<Value> emit(lowering::Builder& b, Call& call, const CachedOp& cached
   return flats;
 }
 std::string g_compile_fault_op;
+bool g_compile_fault_located = false;
 CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeCheck>& checks) {
   auto infos = std::make_shared<std::vector<CheckInfo>>();
   add_check_infos(*infos, checks, describe_call(call.schema, call.args), 0);
@@ -473,6 +474,7 @@ void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location)
   note_op_recompile(op_name(call.schema), description, location);
   ProfileScope profile([&] { return std::pair{"torch_pjrt::compile(" + description + ")", description}; });
   lowering::Builder b;
+  b.set_location(op_location(call.schema, location));
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars);
   std::vector<Value> flats = emit(b, call, cached, ctx);
   cached.operands = std::move(ctx.operands);
@@ -505,15 +507,24 @@ void learn_operands(Call& call, CachedOp& cached) {
   cached.operands_known = true;
 }
 
-void inject_compile_fault(const std::string& name) { g_compile_fault_op = name; }
+void inject_compile_fault(const std::string& name, bool located) {
+  g_compile_fault_op = name;
+  g_compile_fault_located = located;
+}
 
 std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cached, GraphValues* graph,
                            std::vector<lowering::RuntimeCheck>* checks) {
   CallContext ctx(b, call, cached.meta, cached.entry->bake_scalars, graph);
   std::vector<Value> flats = emit(b, call, cached, ctx);
   if (checks) *checks = std::move(ctx.checks);
-  if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op)
-    flats[0] = b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
+  if (graph && !g_compile_fault_op.empty() && !flats.empty() && op_name(call.schema) == g_compile_fault_op) {
+    // Located: a call to a function the module lacks, which the StableHLO
+    // verifier reports at the op's location. Else a kernel no plugin has,
+    // which XLA reports later without one.
+    flats[0] = g_compile_fault_located
+                   ? b.call("torch_pjrt_injected_fault", "", {flats[0]}, {flats[0].type})[0]
+                   : b.custom_call("torch_pjrt_injected_fault", {flats[0]}, flats[0].type);
+  }
   return flats;
 }
 

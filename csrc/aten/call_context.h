@@ -22,6 +22,7 @@ void prepare_rule(Call& call, CachedOp& cached);
 
 // Test hook: op `name` ("aten::tanh"), when lowered into a fused graph, calls a
 // kernel no plugin has, so the graph fails to compile. "" turns it off.
-void inject_compile_fault(const std::string& name);
+// `located`: a call the verifier rejects instead, an error naming the op's line.
+void inject_compile_fault(const std::string& name, bool located = false);
 
 }  // namespace torch_pjrt

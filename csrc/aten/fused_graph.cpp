@@ -327,6 +327,9 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
     values.operand_ids = &rec.operand_ids;
     values.next_operand = 0;
     std::vector<lowering::RuntimeCheck> op_checks;
+    hlo::Location where = op_location(rec.op.schema(), rec.location);
+    where.graph_op = static_cast<int64_t>(k);
+    b.set_location(std::move(where));  // alias k: the text above the locations does not depend on them
     try {
       flats = emit_op(b, call, *rec.cached, &values, &op_checks);
     } catch (const std::exception& e) {
@@ -349,10 +352,20 @@ std::vector<Value> emit_ops(PendingGraph& g, lowering::Builder& b, GraphValues& 
   return produced;
 }
 
-// After the whole graph failed to compile: the first op whose prefix of the
-// graph fails too (binary search over prefixes that return every value).
+// The op a compile error names by its location (the StableHLO verifier
+// reports the op's line and, as a call site, its index in the graph).
+std::optional<size_t> op_named_by_error(const PendingGraph& g, const std::string& error) {
+  for (size_t k = 0; k < g.ops.size(); ++k)
+    if (error.find(hlo::graph_op_location_mark(static_cast<int64_t>(k))) != std::string::npos) return k;
+  return std::nullopt;
+}
+
+// After the whole graph failed to compile and its error named no single op:
+// the first op whose prefix of the graph fails too (binary search over
+// prefixes that return every value).
 // Error path only: compiles about log2(ops) programs, none of them cached.
 std::optional<size_t> first_op_failing_to_compile(PendingGraph& g) {
+  ++metrics().failing_op_searches;
   size_t good = 0, bad = g.ops.size();  // prefix of `good` ops compiles, of `bad` ops fails
   while (bad - good > 1) {
     size_t mid = good + (bad - good) / 2;
@@ -415,6 +428,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
   if (!checks.checks.empty()) {
+    b.set_location({"torch_pjrt::runtime_checks", "", 0});
     if (keep_values_on_failed_checks()) keep_values_on_failed_check(g, b, checks.checks, values, live, outputs);
     outputs.push_back(lowering::check_status(b, checks.checks));
     compiled->checks = std::make_shared<const std::vector<CheckInfo>>(std::move(checks.infos));
@@ -427,6 +441,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   try {
     compiled->program = compile_cache().get_or_compile(program, g.device, graph_effort(g, b, outputs));
   } catch (const std::exception& e) {
+    if (auto op = op_named_by_error(g, e.what())) throw OpFailure(*op, e.what());
     if (auto op = first_op_failing_to_compile(g)) throw OpFailure(*op, e.what());
     throw;
   }

@@ -227,6 +227,8 @@ std::vector<Value> emit_op(lowering::Builder& b, Call& call, const CachedOp& cac
                            std::vector<lowering::RuntimeCheck>* checks = nullptr);
 // "aten::add.Tensor(Float[3, 4], Float[4])": an op and its tensor arguments, for errors.
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args);
+// The location a lowering's ops carry: the op's name at the user's line.
+hlo::Location op_location(const c10::FunctionSchema& schema, graph::SourceLocation location);
 
 // Pops the call's arguments and pushes its returns (executor.cpp).
 void push_returns(torch::jit::Stack* stack, size_t nargs, const CachedOp& cached, const std::vector<at::Tensor>& outs);

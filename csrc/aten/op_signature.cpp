@@ -477,6 +477,11 @@ bool has_cpu_rule(const c10::FunctionSchema& s, uint32_t bits) {
   return rule && (rule->cpu_rules & bits);
 }
 
+hlo::Location op_location(const c10::FunctionSchema& schema, graph::SourceLocation location) {
+  auto [file, line] = graph::source_file_line(location);
+  return {op_name(schema), std::move(file), line};
+}
+
 std::string describe_call(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
   std::string text = op_name(schema) + "(";
   bool first = true;

@@ -334,6 +334,7 @@ PYBIND11_MODULE(_C, m) {
     d["compiles"] = s.compiles.get();
     d["compile_seconds"] = s.compile_seconds.get();
     d["compile_cache_hits"] = s.compile_cache_hits.get();
+    d["failing_op_searches"] = s.failing_op_searches.get();
     d["disk_cache_hits"] = s.disk_cache_hits.get();
     d["disk_cache_misses"] = s.disk_cache_misses.get();
     d["disk_cache_writes"] = s.disk_cache_writes.get();
@@ -386,7 +387,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("pairs") = std::vector<std::pair<int64_t, int64_t>>{}, py::arg("root") = 0, release_gil());
   m.def("_install_location_hook", &install_python_location_hook);
   m.def("_set_generated_code_resolver", [](py::object resolver) { set_generated_code_resolver(resolver.ptr()); });
-  m.def("_inject_compile_fault", &inject_compile_fault);
+  m.def("_inject_compile_fault", &inject_compile_fault, py::arg("name"), py::arg("located") = false);
   m.def("_storage_buffer_address", [](const at::Tensor& t) {
     TORCH_CHECK(t.device().type() == kTpu, "_storage_buffer_address needs a tpu tensor, got one on ", t.device());
     flush_pending();

@@ -14,6 +14,7 @@
 #include "pjrt/error.h"
 
 #include "graph/metrics.h"
+#include "hlo/builder.h"
 
 namespace torch_pjrt::graph {
 
@@ -61,12 +62,13 @@ void reset_metrics() {
 namespace {
 
 // TORCH_PJRT_DUMP_DIR: every program compiled is also written there as
-// <hash>.mlir, to read what XLA was given. Best effort: errors are ignored.
+// <hash>.mlir (the hash of the text without its locations), to read what XLA
+// was given, each op's location included. Best effort: errors are ignored.
 void dump_program(const std::string& program) {
   static const std::string dir = settings::text("TORCH_PJRT_DUMP_DIR");
   if (dir.empty()) return;
   char name[32];
-  std::snprintf(name, sizeof(name), "%016llx.mlir", static_cast<unsigned long long>(fnv1a(program)));
+  std::snprintf(name, sizeof(name), "%016llx.mlir", static_cast<unsigned long long>(fnv1a(std::string(hlo::split_locations(program).first))));
   std::ofstream(dir + "/" + name) << program;
 }
 
@@ -141,8 +143,7 @@ ProgramPtr CompileCache::get_or_compile(const std::string& program, size_t devic
   // built for other replicas or partitions, or optimized less, is another
   // executable.
   std::string prefix = std::to_string(device_index) + "\n" + options(effort).serialize() + "\n";
-  size_t text_offset = prefix.size();
-  return find_or_add(prefix + program, text_offset, device_index, effort, {});
+  return find_or_add(std::move(prefix), program, device_index, effort, {});
 }
 
 ProgramPtr CompileCache::get_or_compile_replicated(const std::string& program,
@@ -150,8 +151,7 @@ ProgramPtr CompileCache::get_or_compile_replicated(const std::string& program,
   std::string prefix = "replicas";
   for (size_t index : device_indices) prefix += " " + std::to_string(index);
   prefix += "\n" + client_->replicated_options(options(Effort::Full), device_indices).serialize() + "\n";
-  size_t text_offset = prefix.size();
-  return find_or_add(prefix + program, text_offset, device_indices.at(0), Effort::Full, device_indices);
+  return find_or_add(std::move(prefix), program, device_indices.at(0), Effort::Full, device_indices);
 }
 
 pjrt::CompileOptions CompileCache::options_of(const Program& p) const {
@@ -159,8 +159,12 @@ pjrt::CompileOptions CompileCache::options_of(const Program& p) const {
   return p.replicas_.empty() ? base : client_->replicated_options(base, p.replicas_);
 }
 
-ProgramPtr CompileCache::find_or_add(std::string key, size_t text_offset, size_t device_index, Effort effort,
-                                     std::vector<size_t> replicas) {
+ProgramPtr CompileCache::find_or_add(std::string prefix, std::string_view program, size_t device_index,
+                                     Effort effort, std::vector<size_t> replicas) {
+  auto [body, locations] = hlo::split_locations(program);
+  const size_t text_offset = prefix.size();
+  std::string key = std::move(prefix);
+  key += body;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = entries_.find(key);
@@ -169,7 +173,8 @@ ProgramPtr CompileCache::find_or_add(std::string key, size_t text_offset, size_t
       return it->second;
     }
   }
-  ProgramPtr p(new Program(*this, std::move(key), text_offset, device_index, effort, std::move(replicas)));
+  ProgramPtr p(new Program(*this, std::move(key), text_offset, std::string(locations), device_index, effort,
+                           std::move(replicas)));
   Loaded loaded = load(*p, /*reload=*/false);
   std::vector<pjrt::ExecutablePtr> unloaded;  // destroyed after the lock
   std::lock_guard<std::mutex> lock(mutex_);
@@ -232,7 +237,7 @@ CompileCache::Loaded CompileCache::load(const Program& p, bool reload) {
     metrics().disk_cache_load_seconds += took.count();
   }
   if (!exe) {
-    std::string text(p.text());
+    std::string text = p.text();
     if (!reload) dump_program(text);
     auto start = std::chrono::steady_clock::now();
     exe = client_->compile(text, options_of(p), p.device_index_);

@@ -1,6 +1,8 @@
 // The compile cache every mode shares: programs keyed by their StableHLO
 // text (and device), first in memory, then on disk when a directory is set
-// (TORCH_PJRT_CACHE_DIR), else compiled and written to both.
+// (TORCH_PJRT_CACHE_DIR), else compiled and written to both. The ops'
+// locations (the module's tail, hlo::split_locations) are not part of the
+// key: the same program recorded from other lines is the same executable.
 //
 // Loaded executables are bounded: XLA:CPU maps memory regions for each loaded
 // executable (3 per JIT object: a single op 3, a fused graph 3 per kernel or
@@ -41,14 +43,16 @@ class Program : public std::enable_shared_from_this<Program> {
 
  private:
   friend class CompileCache;
-  Program(CompileCache& cache, std::string key, size_t text_offset, size_t device_index, Effort effort,
-          std::vector<size_t> replicas)
-      : cache_(cache), key_(std::move(key)), text_offset_(text_offset), device_index_(device_index), effort_(effort),
-        replicas_(std::move(replicas)) {}
-  std::string_view text() const { return std::string_view(key_).substr(text_offset_); }
+  Program(CompileCache& cache, std::string key, size_t text_offset, std::string locations, size_t device_index,
+          Effort effort, std::vector<size_t> replicas)
+      : cache_(cache), key_(std::move(key)), text_offset_(text_offset), locations_(std::move(locations)),
+        device_index_(device_index), effort_(effort), replicas_(std::move(replicas)) {}
+  // What XLA compiles: the keyed text with the locations it was first built with.
+  std::string text() const { return std::string(std::string_view(key_).substr(text_offset_)) + locations_; }
   CompileCache& cache_;  // outlives its programs (the process's cache is never destroyed)
-  const std::string key_;  // device + compile options + text
+  const std::string key_;  // device + compile options + text without locations
   const size_t text_offset_;
+  const std::string locations_;
   const size_t device_index_;
   const Effort effort_;
   const std::vector<size_t> replicas_;  // empty: one device; else one replica on each (collectives)
@@ -99,7 +103,7 @@ class CompileCache {
 
  private:
   friend class Program;
-  ProgramPtr find_or_add(std::string key, size_t text_offset, size_t device_index, Effort effort,
+  ProgramPtr find_or_add(std::string prefix, std::string_view program, size_t device_index, Effort effort,
                          std::vector<size_t> replicas);
   pjrt::CompileOptions options_of(const Program& p) const;
   struct Loaded {

@@ -59,6 +59,7 @@ struct Metrics {
   Count fused_ops;         // ops recorded into fused graphs
   Count graphs;            // fused graphs run
   Count graph_cache_hits;  // graphs found by structure, nothing lowered
+  Count failing_op_searches;  // failed graph compiles whose error named no op: prefixes compiled to find it
   Count compiled_replays;  // torch.compile graphs run by replaying their program (no op dispatched)
   Count graph_replays;     // captured graphs (torch.accelerator.Graph) replayed
   Count donated_buffers;   // graph inputs whose buffer an in-place result reused

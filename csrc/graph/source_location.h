@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace torch_pjrt::graph {
 
@@ -19,5 +20,7 @@ void set_source_location_hooks(SourceLocationHooks hooks);
 SourceLocation capture_source_location();
 // "train.py:42 in step", or "an unknown line" for 0.
 std::string describe_source_location(SourceLocation location);
+// The file and line of `location` (the program's op locations); {"", 0} when unknown.
+std::pair<std::string, int> source_file_line(SourceLocation location);
 
 }  // namespace torch_pjrt::graph

@@ -1,5 +1,6 @@
 #include "hlo/builder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
@@ -107,6 +108,79 @@ std::string dims_attr(const Dims& dims) {
   return dims.empty() ? "array<i64>" : "array<i64: " + join(dims, ", ") + ">";
 }
 
+namespace {
+// An MLIR string literal: quotes, backslashes and unprintable bytes escaped as \XX.
+std::string mlir_string(std::string_view text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    if (c == '"' || c == '\\' || c < 0x20 || c >= 0x7F) {
+      char hex[4];
+      std::snprintf(hex, sizeof(hex), "\\%02X", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+}  // namespace
+
+std::pair<std::string_view, std::string_view> split_locations(std::string_view module_text) {
+  size_t at = module_text.rfind(kLocationsMarker);
+  if (at == std::string_view::npos) return {module_text, {}};
+  return {module_text.substr(0, at), module_text.substr(at)};
+}
+
+std::string graph_op_location_mark(int64_t k) { return "torch_pjrt graph op " + std::to_string(k) + ":0:0: note"; }
+
+void Builder::set_location(Location location) {
+  // A name location ("aten::add.Tensor") around a file one; XLA turns them
+  // into the HLO instructions' metadata (op_name, source_file, source_line).
+  std::string file;
+  if (!location.file.empty())
+    file = mlir_string(location.file) + ":" + std::to_string(location.line) + ":0";
+  std::string text;
+  if (location.op.empty()) text = file.empty() ? "unknown" : file;
+  else text = mlir_string(location.op) + (file.empty() ? "" : "(" + file + ")");
+  // The verifier reports "file:line:0: error" and, for a call site, a note
+  // "torch_pjrt graph op k:0:0: note: called from": the op itself.
+  if (location.graph_op >= 0)
+    text = "callsite(" + text + " at \"torch_pjrt graph op " + std::to_string(location.graph_op) + "\":0:0)";
+  location_ = " loc(#op" + std::to_string(locations_.size()) + ")";
+  locations_.push_back("loc(" + text + ")");
+}
+
+Region Builder::region(const std::vector<TensorType>& arg_types, const RegionBody& body) {
+  std::vector<Value> args;
+  std::string header = "^bb0(";
+  for (size_t i = 0; i < arg_types.size(); ++i) {
+    args.push_back(Value{fresh_name(), arg_types[i]});
+    header += (i ? ", " : "") + args.back().name + ": " + arg_types[i].str();
+  }
+  header += "):\n";
+  // The body's ops go to a text of their own; the enclosing op's text (and
+  // its cost) are restored however the body ends.
+  struct Restore {
+    Builder& b;
+    std::string body, indent;
+    size_t cost;
+    ~Restore() {
+      b.body_ = std::move(body);
+      b.indent_ = std::move(indent);
+      b.compile_cost_ = cost;
+    }
+  } restore{*this, std::exchange(body_, std::string()), indent_, compile_cost_};
+  indent_ += "    ";
+  std::vector<Value> results = body(*this, args);
+  std::string names, types;
+  for (size_t i = 0; i < results.size(); ++i) {
+    names += (i ? ", " : "") + results[i].name;
+    types += (i ? ", " : "") + results[i].type.str();
+  }
+  body_ += indent_ + "\"stablehlo.return\"(" + names + ") : (" + types + ") -> ()" + location_ + "\n";
+  return Region{"{\n" + restore.indent + "  " + header + body_ + restore.indent + "}"};
+}
+
 Value Builder::parameter(TensorType type) {
   Value v{"%arg" + std::to_string(params_.size()), type};
   params_.push_back(std::move(type));
@@ -114,8 +188,8 @@ Value Builder::parameter(TensorType type) {
 }
 
 Value Builder::emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
-                    TensorType result, const std::string& region) {
-  return emit_multi(op, operands, attributes, {std::move(result)}, region)[0];
+                    TensorType result, const std::vector<Region>& regions) {
+  return emit_multi(op, operands, attributes, {std::move(result)}, regions)[0];
 }
 
 namespace {
@@ -140,10 +214,10 @@ size_t compile_weight(std::string_view op, const std::vector<TensorType>& result
 
 std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Value>& operands,
                                        const std::string& attributes, const std::vector<TensorType>& results,
-                                       const std::string& region) {
+                                       const std::vector<Region>& regions) {
   compile_cost_ += compile_weight(op, results, operands);
-  std::string name = "%v" + std::to_string(next_id_++);
-  std::string line = "    " + name;
+  std::string name = fresh_name();
+  std::string line = indent_ + name;
   if (results.size() > 1) line += ":" + std::to_string(results.size());
   // Bare names are StableHLO ops; "chlo.erf" and friends are legalized by the plugin.
   line += op.find('.') == std::string_view::npos ? " = \"stablehlo." : " = \"";
@@ -159,7 +233,11 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
     operand_types += operands[i].type.str();
   }
   line += ")";
-  if (!region.empty()) line += " (" + region + ")";
+  if (!regions.empty()) {
+    line += " (";
+    for (size_t i = 0; i < regions.size(); ++i) line += (i ? ", " : "") + regions[i].text;
+    line += ")";
+  }
   if (!attributes.empty()) line += " " + attributes;
   line += " : (" + operand_types + ") -> ";
   if (results.size() == 1) {
@@ -169,7 +247,7 @@ std::vector<Value> Builder::emit_multi(std::string_view op, const std::vector<Va
     for (size_t i = 0; i < results.size(); ++i) line += (i ? ", " : "") + results[i].str();
     line += ")";
   }
-  body_ += line + "\n";
+  body_ += line + location_ + "\n";
   std::vector<Value> values;
   if (results.size() == 1) return {Value{name, results[0]}};
   for (size_t k = 0; k < results.size(); ++k) values.push_back(Value{name + "#" + std::to_string(k), results[k]});
@@ -324,7 +402,7 @@ std::vector<Value> Builder::call(const std::string& symbol, const std::string& d
                                  const std::vector<Value>& operands, const std::vector<TensorType>& results) {
   PJRT_CHECK(!results.empty(), "internal: a called function must return a value: @", symbol);
   functions_.emplace(symbol, definitions);
-  return emit_multi("func.call", operands, "{callee = @" + symbol + "}", results, "");
+  return emit_multi("func.call", operands, "{callee = @" + symbol + "}", results);
 }
 
 Value Builder::reshape(Value x, const Dims& dims) {
@@ -399,10 +477,7 @@ Value Builder::dynamic_slice(Value operand, const std::vector<Value>& start_indi
               TensorType{operand.element(), sizes});
 }
 
-std::string Builder::reducer_region(Reducer reducer, ElementType type, bool propagate_nan) {
-  TensorType scalar{type, {}};
-  std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
-  std::string r = "%v" + std::to_string(next_id_++);
+Region Builder::reducer_region(Reducer reducer, ElementType type, bool propagate_nan) {
   const char* op = "add";
   switch (reducer) {
     case Reducer::Add: op = type == ElementType::Pred ? "or" : "add"; break;
@@ -412,24 +487,12 @@ std::string Builder::reducer_region(Reducer reducer, ElementType type, bool prop
     case Reducer::And: op = "and"; break;
     case Reducer::Or: op = "or"; break;
   }
-  std::string t = scalar.str();
-  std::string body = "      " + r + " = \"stablehlo." + op + "\"(" + a + ", " + b + ") : (" + t + ", " + t + ") -> " + t + "\n";
-  if (propagate_nan && is_float(type) && (reducer == Reducer::Max || reducer == Reducer::Min)) {
-    // NaN propagates, as in max(): a NaN operand is the result.
-    std::string p = TensorType{ElementType::Pred, {}}.str();
-    auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
-    auto pick_nan = [&](const std::string& x, const std::string& rest) {
-      std::string isnan = fresh(), out = fresh();
-      body += "      " + isnan + " = \"stablehlo.compare\"(" + x + ", " + x + ") " + compare_attr(Compare::NE) + " : (" +
-              t + ", " + t + ") -> " + p + "\n";
-      body += "      " + out + " = \"stablehlo.select\"(" + isnan + ", " + x + ", " + rest + ") : (" + p + ", " + t +
-              ", " + t + ") -> " + t + "\n";
-      return out;
-    };
-    r = pick_nan(a, pick_nan(b, r));
-  }
-  return "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n" + body + "      \"stablehlo.return\"(" + r +
-         ") : (" + t + ") -> ()\n    }";
+  TensorType scalar{type, {}};
+  // NaN propagates, as in max(): a NaN operand is the result.
+  bool nan = propagate_nan && (reducer == Reducer::Max || reducer == Reducer::Min) && type != ElementType::Pred;
+  return region({scalar, scalar}, [&](Builder& b, const std::vector<Value>& x) -> std::vector<Value> {
+    return {nan ? b.nan_propagating(op, x[0], x[1]) : b.emit(op, {x[0], x[1]}, "", scalar)};
+  });
 }
 
 Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
@@ -440,54 +503,49 @@ Value Builder::reduce(Value x, Value init, const Dims& dims, Reducer reducer) {
     for (int64_t d : dims) reduced |= d == i;
     if (!reduced) out.push_back(x.dims()[i]);
   }
-  std::string region = reducer_region(reducer, x.element());
-  return emit("reduce", {x, init}, "{dimensions = " + dims_attr(dims) + "}", TensorType{x.element(), out}, region);
+  return emit("reduce", {x, init}, "{dimensions = " + dims_attr(dims) + "}", TensorType{x.element(), out},
+              {reducer_region(reducer, x.element())});
+}
+
+std::vector<Value> Builder::reduce(const std::vector<Value>& xs, const std::vector<Value>& inits, const Dims& dims,
+                                   const RegionBody& body) {
+  PJRT_CHECK(!xs.empty() && xs.size() == inits.size(), "internal: reduce of ", xs.size(), " operands with ",
+             inits.size(), " initial values");
+  std::vector<TensorType> args, results;
+  for (int pass = 0; pass < 2; ++pass)
+    for (const Value& x : xs) args.push_back(TensorType{x.element(), {}});
+  for (const Value& x : xs) {
+    Dims out;
+    for (int64_t i = 0; i < x.rank(); ++i)
+      if (std::find(dims.begin(), dims.end(), i) == dims.end()) out.push_back(x.dims()[i]);
+    results.push_back(TensorType{x.element(), out});
+  }
+  std::vector<Value> operands = xs;
+  operands.insert(operands.end(), inits.begin(), inits.end());
+  return emit_multi("reduce", operands, "{dimensions = " + dims_attr(dims) + "}", results, {region(args, body)});
 }
 
 // The (value, index) reducer region of argmax/argmin and max pooling.
-std::string Builder::arg_region(ElementType value, ElementType index, bool is_max, bool last_nan) {
+Region Builder::arg_region(ElementType value, ElementType index, bool is_max, bool last_nan) {
   TensorType vt{value, {}}, it{index, {}};
-  auto fresh = [&] { return "%v" + std::to_string(next_id_++); };
-  std::string a = fresh(), ai = fresh(), b = fresh(), bi = fresh();
-  std::string v = vt.str(), i = it.str(), p = TensorType{ElementType::Pred, {}}.str();
-  std::string body;
-  auto line = [&](const std::string& lhs, const std::string& text) { body += "      " + lhs + " = " + text + "\n"; };
-  auto cmp = [&](const std::string& l, const std::string& r, const char* dir, const std::string& ty) {
-    return "\"stablehlo.compare\"(" + l + ", " + r + ") {comparison_direction = #stablehlo<comparison_direction " +
-           dir + ">} : (" + ty + ", " + ty + ") -> " + p;
-  };
-  auto bin = [&](const char* op, const std::string& l, const std::string& r) {
-    return std::string("\"stablehlo.") + op + "\"(" + l + ", " + r + ") : (" + p + ", " + p + ") -> " + p;
-  };
-  // PyTorch semantics: NaN wins, equal values go to the lower index; among
-  // NaNs the lower index, or the higher one with `last_nan` (max pooling).
-  std::string better = fresh(), a_nan = fresh(), b_nan = fresh(), not_b_nan = fresh(), nan_wins = fresh();
-  std::string eq = fresh(), both_nan = fresh(), lower = fresh(), nan_side = fresh(), eq_pick = fresh(),
-              nan_pick = fresh(), t1 = fresh(), t2 = fresh(), pick = fresh(), rv = fresh(), ri = fresh();
-  line(better, cmp(a, b, is_max ? "GT" : "LT", v));
-  line(a_nan, cmp(a, a, "NE", v));
-  line(b_nan, cmp(b, b, "NE", v));
-  line(not_b_nan, "\"stablehlo.not\"(" + b_nan + ") : (" + p + ") -> " + p);
-  line(nan_wins, bin("and", a_nan, not_b_nan));
-  line(eq, cmp(a, b, "EQ", v));
-  line(both_nan, bin("and", a_nan, b_nan));
-  line(lower, cmp(ai, bi, "LT", i));
-  line(nan_side, cmp(ai, bi, last_nan ? "GT" : "LT", i));
-  line(eq_pick, bin("and", eq, lower));
-  line(nan_pick, bin("and", both_nan, nan_side));
-  line(t1, bin("or", better, nan_wins));
-  line(t2, bin("or", t1, eq_pick));
-  line(pick, bin("or", t2, nan_pick));
-  line(rv, "\"stablehlo.select\"(" + pick + ", " + a + ", " + b + ") : (" + p + ", " + v + ", " + v + ") -> " + v);
-  line(ri, "\"stablehlo.select\"(" + pick + ", " + ai + ", " + bi + ") : (" + p + ", " + i + ", " + i + ") -> " + i);
-  std::string region = "{\n    ^bb0(" + a + ": " + v + ", " + ai + ": " + i + ", " + b + ": " + v + ", " + bi + ": " +
-                       i + "):\n" + body + "      \"stablehlo.return\"(" + rv + ", " + ri + ") : (" + v + ", " + i +
-                       ") -> ()\n    }";
-  return region;
+  return region({vt, it, vt, it}, [&](Builder& r, const std::vector<Value>& x) -> std::vector<Value> {
+    const Value &a = x[0], &ai = x[1], &b = x[2], &bi = x[3];
+    // PyTorch semantics: NaN wins, equal values go to the lower index; among
+    // NaNs the lower index, or the higher one with `last_nan` (max pooling).
+    Value better = r.compare(a, b, is_max ? Compare::GT : Compare::LT);
+    Value a_nan = r.compare(a, a, Compare::NE), b_nan = r.compare(b, b, Compare::NE);
+    Value nan_wins = r.binary("and", a_nan, r.unary("not", b_nan));
+    Value eq = r.compare(a, b, Compare::EQ);
+    Value both_nan = r.binary("and", a_nan, b_nan);
+    Value lower = r.compare(ai, bi, Compare::LT);
+    Value nan_side = r.compare(ai, bi, last_nan ? Compare::GT : Compare::LT);
+    Value pick = r.binary("or", r.binary("or", r.binary("or", better, nan_wins), r.binary("and", eq, lower)),
+                          r.binary("and", both_nan, nan_side));
+    return {r.select(pick, a, b), r.select(pick, ai, bi)};
+  });
 }
 
 std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool is_max) {
-  std::string region = arg_region(x.element(), indices.element(), is_max);
   Dims out;
   for (int64_t d = 0; d < x.rank(); ++d)
     if (d != dim) out.push_back(x.dims()[d]);
@@ -503,7 +561,8 @@ std::vector<Value> Builder::reduce_arg(Value x, Value indices, int64_t dim, bool
   }
   Value init_i = constant_int(0, indices.element());
   return emit_multi("reduce", {x, indices, init_v, init_i}, "{dimensions = " + dims_attr({dim}) + "}",
-                    {TensorType{x.element(), out}, TensorType{indices.element(), out}}, region);
+                    {TensorType{x.element(), out}, TensorType{indices.element(), out}},
+                    {arg_region(x.element(), indices.element(), is_max)});
 }
 
 Value Builder::reduce_window(Value x, Value init, Reducer reducer, const Dims& window, const Dims& strides,
@@ -518,12 +577,11 @@ Value Builder::reduce_window(Value x, Value init, Reducer reducer, const Dims& w
     int64_t win = (window[i] - 1) * wd[i] + 1;
     out.push_back(in < win ? 0 : (in - win) / strides[i] + 1);
   }
-  std::string region = reducer_region(reducer, x.element());
   return emit("reduce_window", {x, init},
               "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
                   ", base_dilations = " + dims_attr(bd) + ", window_dilations = " + dims_attr(wd) +
                   ", padding = " + padding_attr(padding_low, padding_high) + "}",
-              TensorType{x.element(), out}, region);
+              TensorType{x.element(), out}, {reducer_region(reducer, x.element())});
 }
 
 std::vector<Value> Builder::reduce_window_max_arg(Value x, Value indices, Value init, Value init_index,
@@ -537,24 +595,20 @@ std::vector<Value> Builder::reduce_window_max_arg(Value x, Value indices, Value 
                     "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
                         ", window_dilations = " + dims_attr(dilations) + "}",
                     {TensorType{x.element(), out}, TensorType{indices.element(), out}},
-                    arg_region(x.element(), indices.element(), true, /*last_nan=*/true));
+                    {arg_region(x.element(), indices.element(), true, /*last_nan=*/true)});
 }
 
 Value Builder::select_and_scatter(Value operand, Value source, Value init, const Dims& window, const Dims& strides,
                                   const Dims& padding_low, const Dims& padding_high) {
-  std::string t = TensorType{operand.element(), {}}.str();
-  std::string p = TensorType{ElementType::Pred, {}}.str();
-  std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
-  std::string r = "%v" + std::to_string(next_id_++);
-  std::string select = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      " + r +
-                       " = \"stablehlo.compare\"(" + a + ", " + b +
-                       ") {comparison_direction = #stablehlo<comparison_direction GE>} : (" + t + ", " + t +
-                       ") -> " + p + "\n      \"stablehlo.return\"(" + r + ") : (" + p + ") -> ()\n    }";
-  std::string scatter = reducer_region(Reducer::Add, operand.element());
+  TensorType scalar{operand.element(), {}};
+  Region select = region({scalar, scalar}, [](Builder& r, const std::vector<Value>& x) -> std::vector<Value> {
+    return {r.compare(x[0], x[1], Compare::GE)};
+  });
+  Region scatter = reducer_region(Reducer::Add, operand.element());
   return emit("select_and_scatter", {operand, source, init},
               "{window_dimensions = " + dims_attr(window) + ", window_strides = " + dims_attr(strides) +
                   ", padding = " + padding_attr(padding_low, padding_high) + "}",
-              operand.type, select + ", " + scatter);
+              operand.type, {select, scatter});
 }
 
 Value Builder::dot_general(Value a, Value b, const Dims& lhs_batch, const Dims& rhs_batch, const Dims& lhs_contract,
@@ -640,18 +694,14 @@ Value Builder::scatter(Value operand, Value indices, Value updates, const Scatte
   parts.push_back("index_vector_dim = " + std::to_string(dn.index_vector_dim));
   for (size_t i = 0; i < parts.size(); ++i) attr += (i ? ", " : "") + parts[i];
   attr += ">";
-  std::string region;
-  if (combine) {
-    region = reducer_region(*combine, operand.element());
-  } else {
-    std::string t = TensorType{operand.element(), {}}.str();
-    std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
-    region = "{\n    ^bb0(" + a + ": " + t + ", " + b + ": " + t + "):\n      \"stablehlo.return\"(" + b + ") : (" +
-             t + ") -> ()\n    }";
-  }
+  TensorType scalar{operand.element(), {}};
+  Region update = combine ? reducer_region(*combine, operand.element())
+                          : region({scalar, scalar}, [](Builder&, const std::vector<Value>& x) -> std::vector<Value> {
+                              return {x[1]};  // the update replaces the value
+                            });
   return emit("scatter", {operand, indices, updates},
               "{indices_are_sorted = false, scatter_dimension_numbers = " + attr + ", unique_indices = false}",
-              operand.type, region);
+              operand.type, {update});
 }
 
 std::vector<Value> Builder::sort(const std::vector<Value>& input, int64_t dim, bool descending, bool stable) {
@@ -667,36 +717,28 @@ std::vector<Value> Builder::sort(const std::vector<Value>& input, int64_t dim, b
                        select(compare(x, zero, Compare::EQ), zero, x));
     operands.insert(operands.begin(), key);
   }
-  std::string args, p = TensorType{ElementType::Pred, {}}.str();
-  std::string key_a, key_b, key_t = TensorType{operands[0].element(), {}}.str();
-  for (size_t i = 0; i < operands.size(); ++i) {
-    std::string t = TensorType{operands[i].element(), {}}.str();
-    std::string a = "%v" + std::to_string(next_id_++), b = "%v" + std::to_string(next_id_++);
-    if (i == 0) {
-      key_a = a;
-      key_b = b;
-    }
-    args += (i ? ", " : "") + a + ": " + t + ", " + b + ": " + t;
-  }
-  std::string r = "%v" + std::to_string(next_id_++);
-  // TOTALORDER puts NaN last ascending (first descending), as torch.sort does.
-  std::string cmp_type = is_float(operands[0].element()) ? ", compare_type = #stablehlo<comparison_type TOTALORDER>" : "";
-  std::string region = "{\n    ^bb0(" + args + "):\n      " + r + " = \"stablehlo.compare\"(" + key_a + ", " +
-                       key_b + ") {comparison_direction = #stablehlo<comparison_direction " +
-                       (descending ? "GT" : "LT") + ">" + cmp_type + "} : (" + key_t + ", " + key_t + ") -> " + p +
-                       "\n      \"stablehlo.return\"(" + r + ") : (" + p + ") -> ()\n    }";
+  // The comparator sees each operand's pair of elements; only the key's decide.
+  std::vector<TensorType> args;
+  for (const Value& v : operands) args.insert(args.end(), 2, TensorType{v.element(), {}});
+  Region comparator = region(args, [&](Builder& r, const std::vector<Value>& x) -> std::vector<Value> {
+    // TOTALORDER puts NaN last ascending (first descending), as torch.sort does.
+    std::string attrs = compare_attr(descending ? Compare::GT : Compare::LT);
+    if (is_float(x[0].element()))
+      attrs.insert(attrs.size() - 1, ", compare_type = #stablehlo<comparison_type TOTALORDER>");
+    return {r.emit("compare", {x[0], x[1]}, attrs, TensorType{ElementType::Pred, {}})};
+  });
   std::vector<TensorType> types;
   for (const Value& v : operands) types.push_back(v.type);
   std::vector<Value> sorted = emit_multi(
       "sort", operands, "{dimension = " + std::to_string(dim) + " : i64, is_stable = " + (stable ? "true" : "false") + "}",
-      types, region);
+      types, {comparator});
   if (keyed) sorted.erase(sorted.begin());
   return sorted;
 }
 
 std::vector<Value> Builder::rng_bit_generator(Value state, TensorType bits_type) {
   return emit_multi("rng_bit_generator", {state}, "{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}",
-                    {state.type, bits_type}, "");
+                    {state.type, bits_type});
 }
 
 namespace {
@@ -728,9 +770,8 @@ Value Builder::nan_propagating_collective(Value x, Reducer reducer,
 
 Value Builder::all_reduce(Value x, Reducer reducer, const ReplicaGroups& groups) {
   return nan_propagating_collective(x, reducer, [&](Value v, Reducer red) {
-    std::string region = reducer_region(red, v.element(), false);
     return emit("all_reduce", {v}, "{replica_groups = " + groups_attr(groups, group_size(groups)) + "}", v.type,
-                region);
+                {reducer_region(red, v.element(), false)});
   });
 }
 
@@ -751,11 +792,10 @@ Value Builder::reduce_scatter(Value x, int64_t dim, Reducer reducer, const Repli
   return nan_propagating_collective(x, reducer, [&](Value v, Reducer red) {
     TensorType out = v.type;
     out.dims[dim] /= n;
-    std::string region = reducer_region(red, v.element(), false);
     return emit("reduce_scatter", {v},
                 "{replica_groups = " + groups_attr(groups, n) + ", scatter_dimension = " + std::to_string(dim) +
                     " : i64}",
-                out, region);
+                out, {reducer_region(red, v.element(), false)});
   });
 }
 
@@ -802,7 +842,11 @@ std::string Builder::finish(const std::vector<Value>& results, const std::map<in
   }
   text += ") : (" + types + ") -> ()\n  }\n";
   for (const auto& [symbol, definitions] : functions_) text += definitions + "\n";
-  return text + "}\n";
+  text += "}\n";
+  if (locations_.empty()) return text;
+  text += kLocationsMarker;
+  for (size_t i = 0; i < locations_.size(); ++i) text += "#op" + std::to_string(i) + " = " + locations_[i] + "\n";
+  return text;
 }
 
 }  // namespace torch_pjrt::hlo

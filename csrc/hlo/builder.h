@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "pjrt/element_type.h"
@@ -36,9 +37,49 @@ struct Value {
 enum class Reducer { Add, Mul, Max, Min, And, Or };
 enum class Compare { EQ, NE, LT, LE, GT, GE };
 
+// A region's body (a reducer, a sort comparator, a scatter's update): given
+// its block arguments, emits its ops through the same builder and returns
+// what stablehlo.return yields.
+class Builder;
+using RegionBody = std::function<std::vector<Value>(Builder&, const std::vector<Value>&)>;
+struct Region {
+  std::string text;  // "{ ^bb0(...): ... stablehlo.return }", ready to attach to an op
+};
+
+// Where an emitted op came from: the ATen op and the user's line.
+struct Location {
+  std::string op;    // "aten::add.Tensor"
+  std::string file;  // "" when unknown
+  int line = 0;
+  // The op's index in a fused graph (-1: none). Several ops often share a
+  // line; this tells them apart in an error (graph_op_location_mark).
+  int64_t graph_op = -1;
+};
+// What a verifier error's text holds for an op of `Location::graph_op` k:
+// its location is a call site, the user's line called from "torch_pjrt graph op k".
+std::string graph_op_location_mark(int64_t k);
+
+// The module text's tail that holds the ops' locations: after this marker,
+// one "#opN = loc(...)" alias per location. Ops refer to their alias by
+// number only, so the text before the marker is the same program whatever
+// lines recorded it: the compile cache keys on that part alone.
+inline constexpr std::string_view kLocationsMarker = "// torch_pjrt op locations\n";
+// {program without its locations, the locations' tail} ("" if none).
+std::pair<std::string_view, std::string_view> split_locations(std::string_view module_text);
+
 class Builder {
  public:
   Value parameter(TensorType type);
+
+  // The location of every op emitted from now on (and of the ops inside
+  // their regions). Each call takes the next alias number, whatever the
+  // location says, so a program's body does not depend on its lines.
+  void set_location(Location location);
+
+  // A region with block arguments of `arg_types` (scalars, for the ops here)
+  // whose body `body` emits; fresh SSA names come from this builder. The
+  // region's ops do not add to compile_cost (XLA inlines a scalar body).
+  Region region(const std::vector<TensorType>& arg_types, const RegionBody& body);
 
   // Scalars and constants (broadcast to `dims`).
   Value constant(double value, ElementType type, const Dims& dims = {});
@@ -83,6 +124,10 @@ class Builder {
 
   // Reductions and windows. `init` must be a 0-d value of x's element type.
   Value reduce(Value x, Value init, const Dims& dims, Reducer reducer);
+  // Variadic reduce over `dims` with a reducer of your own: `body` gets
+  // (accumulators..., elements...) as scalars and returns the new accumulators.
+  std::vector<Value> reduce(const std::vector<Value>& xs, const std::vector<Value>& inits, const Dims& dims,
+                            const RegionBody& body);
   // Variadic reduce for argmax/argmin: returns {values, indices}.
   std::vector<Value> reduce_arg(Value x, Value indices, int64_t dim, bool is_max);
   // Windowed max with its index (NaN wins, ties go to the lower index); no padding.
@@ -172,14 +217,15 @@ class Builder {
 
  private:
   Value emit(std::string_view op, const std::vector<Value>& operands, const std::string& attributes,
-             TensorType result, const std::string& region = "");
-  std::string arg_region(ElementType value, ElementType index, bool is_max, bool last_nan = false);
+             TensorType result, const std::vector<Region>& regions = {});
+  Region arg_region(ElementType value, ElementType index, bool is_max, bool last_nan = false);
   std::vector<Value> emit_multi(std::string_view op, const std::vector<Value>& operands,
                                 const std::string& attributes, const std::vector<TensorType>& results,
-                                const std::string& region);
+                                const std::vector<Region>& regions = {});
   // `propagate_nan` false: the bare op (the CPU plugin's collectives accept
   // only single-op reduction regions).
-  std::string reducer_region(Reducer reducer, ElementType type, bool propagate_nan = true);
+  Region reducer_region(Reducer reducer, ElementType type, bool propagate_nan = true);
+  std::string fresh_name() { return "%v" + std::to_string(next_id_++); }
   // A collective reduction (all_reduce/reduce_scatter via `reduce_op`) whose float
   // Max/Min still propagates NaN: a NaN anywhere in the group is the result.
   Value nan_propagating_collective(Value x, Reducer reducer, const std::function<Value(Value, Reducer)>& reduce_op);
@@ -191,6 +237,9 @@ class Builder {
   Precision float32_precision_ = Precision::Highest;
   std::vector<TensorType> params_;
   std::string body_;
+  std::string indent_ = "    ";  // deeper inside a region
+  std::string location_;        // " loc(#opN)" appended to each op ("" before set_location)
+  std::vector<std::string> locations_;  // per alias number: its loc(...)
   std::map<std::string, std::string> functions_;  // symbol -> definitions, emitted after @main
 };
 

@@ -289,3 +289,65 @@ TEST(Runtime, CompileOptionOverridesReachThePlugin) {
   unknown.overrides.emplace_back("xla_no_such_option_for_torch_pjrt", true);
   EXPECT_THROW(client()->compile(program, unknown), pjrt::Error);
 }
+
+// A region is built by the same emit functions as the enclosing function:
+// fresh SSA names, the current location, a stablehlo.return. Here a variadic
+// reduce with a reducer of its own (sum and largest magnitude at once).
+TEST(Builder, RegionBodyEmitsThroughTheBuilder) {
+  hlo::Builder b;
+  b.set_location({"aten::custom", "model.py", 7});
+  auto x = b.parameter({ElementType::F32, {2, 3}});
+  auto zero = b.constant(0, ElementType::F32);
+  auto reduced = b.reduce({x, x}, {zero, zero}, {1}, [](hlo::Builder& r, const std::vector<hlo::Value>& v) {
+    // v: (sum, largest, element, element)
+    return std::vector<hlo::Value>{r.binary("add", v[0], v[2]), r.max(r.unary("abs", v[1]), r.unary("abs", v[3]))};
+  });
+  std::string text = b.finish({reduced[0], reduced[1]});
+  EXPECT_NE(text.find("^bb0("), std::string::npos) << text;
+  EXPECT_NE(text.find("\"stablehlo.return\""), std::string::npos) << text;
+  EXPECT_NE(text.find("#op0 = loc(\"aten::custom\"(\"model.py\":7:0))"), std::string::npos) << text;
+  std::vector<float> xs{1, -5, 2, 3, 4, -1};
+  auto bx = client()->buffer_from_host(xs.data(), ElementType::F32, {2, 3});
+  auto result = client()->compile(text, {})->execute({bx.get()});
+  result.done->wait();
+  EXPECT_EQ(read<float>(*result.outputs[0]), (std::vector<float>{-2, 6}));
+  EXPECT_EQ(read<float>(*result.outputs[1]), (std::vector<float>{5, 4}));
+}
+
+// Every op carries its location; a compile error names it. Locations are
+// aliases defined after the module, which the plugin's parser resolves.
+TEST(Builder, CompileErrorNamesTheOpsLocation) {
+  hlo::Builder b;
+  auto x = b.parameter({ElementType::F32, {3}});
+  b.set_location({"aten::mul.Tensor", "train.py", 12});
+  auto y = b.binary("multiply", x, x);
+  b.set_location({"aten::tanh", "train.py", 13, /*graph_op=*/5});
+  auto z = b.reshape(y, {4});  // 3 elements: the verifier rejects it
+  try {
+    client()->compile(b.finish({z}), {});
+    FAIL() << "expected an error";
+  } catch (const pjrt::Error& e) {
+    // The verifier names the line and the graph op (the op's name goes to the HLO metadata).
+    EXPECT_NE(std::string(e.what()).find("train.py:13:0: error"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(hlo::graph_op_location_mark(5)), std::string::npos) << e.what();
+  }
+}
+
+// The same program recorded from other lines is one compile: locations are
+// not part of the cache key.
+TEST(CompileCache, LocationsAreNotPartOfTheKey) {
+  graph::CompileCache cache(client());
+  auto program = [](int line) {
+    hlo::Builder b;
+    auto x = b.parameter({ElementType::F32, {3}});
+    b.set_location({"aten::mul.Tensor", "train.py", line});
+    return b.finish({b.binary("multiply", x, x)});
+  };
+  std::string first = program(12), second = program(40);
+  ASSERT_NE(first, second);
+  graph::reset_metrics();
+  auto a = cache.get_or_compile(first, 0);
+  auto b = cache.get_or_compile(second, 0);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(graph::metrics().compiles, 1);
+}

@@ -22,10 +22,10 @@ print(json.dumps({"loss": value, "compiles": m["compiles"], "hits": m["disk_cach
 """
 
 
-def run(cache_dir, extra_env=None, background=False):
+def run(cache_dir, extra_env=None, background=False, script=SCRIPT):
     env = dict(os.environ, TORCH_PJRT_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(sys.path))
     env.update(extra_env or {})
-    args = [sys.executable, "-c", SCRIPT]
+    args = [sys.executable, "-c", script]
     if background:
         return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -44,6 +44,16 @@ def test_warm_start_compiles_nothing(tmp_path):
     assert warm["compiles"] == 0
     assert warm["hits"] == cold["compiles"]
     assert warm["loss"] == cold["loss"]
+
+
+def test_the_same_program_from_other_lines_compiles_nothing(tmp_path):
+    # Each op's location (its user line) is in the program text, but not in
+    # the cache key: the same steps recorded three lines further down load.
+    cold = run(tmp_path)
+    moved = run(tmp_path, script="\n\n\n" + SCRIPT)
+    assert cold["compiles"] > 0
+    assert moved["compiles"] == 0 and moved["hits"] == cold["compiles"]
+    assert moved["loss"] == cold["loss"]
 
 
 def test_two_processes_fill_one_directory(tmp_path):
