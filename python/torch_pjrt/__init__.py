@@ -153,6 +153,8 @@ def thread_mode(name: str):
 
     Switching runs what the thread's previous mode recorded. set_mode() inside
     the block changes the process's mode, which the thread gets back after it.
+    Threads started inside the block, and autograd's device thread that runs a
+    tpu backward, run in the process's mode.
     """
     if name not in MODES:
         raise ValueError(f"unknown torch_pjrt mode {name!r}: expected one of {MODES}")
