@@ -651,6 +651,7 @@ Mode mode() { return t_mode ? *t_mode : g_mode.load(std::memory_order_relaxed); 
 Mode process_mode() { return g_mode.load(std::memory_order_relaxed); }
 void set_mode(Mode m) { g_mode.store(m, std::memory_order_relaxed); }
 std::optional<Mode> set_thread_mode(std::optional<Mode> m) { return std::exchange(t_mode, m); }
+std::optional<Mode> thread_mode() { return t_mode; }
 
 void configure_plugin(const std::string& path, const std::string& platform) {
   TORCH_CHECK(!runtime_started() || path == configured_path(),

@@ -94,6 +94,7 @@ void set_mode(Mode mode);
 // The calling thread's own mode (nullopt: the process's); returns the previous one. Other threads keep theirs:
 // a compiled call records in fused mode while another thread runs its ops strictly.
 std::optional<Mode> set_thread_mode(std::optional<Mode> mode);
+std::optional<Mode> thread_mode();  // the calling thread's own mode, if it has one
 
 // RAII: the calling thread runs in `mode` until the scope ends. (Bindings flush pending graphs around a switch;
 // this scope does not: a graph recorded under one mode runs whenever a cut point comes.)

@@ -188,9 +188,12 @@ def test_compiled_calls_and_eager_threads_on_one_device_match_cpu(process):
         torch.testing.assert_close(got, want)
 
 
-def test_capture_refuses_a_thread_mode_that_does_not_record():
-    with torch_pjrt.mode("fused"), torch_pjrt.thread_mode("strict"):
+@pytest.mark.parametrize("process", ["fused", "strict"])
+def test_capture_refuses_a_thread_mode_that_does_not_record(process):
+    with torch_pjrt.mode(process), torch_pjrt.thread_mode("strict"):
         graph = torch.accelerator.Graph()
         with pytest.raises(RuntimeError, match="mode of its own"):
             with graph:
                 torch.ones(2, device="tpu")
+        assert torch_pjrt.get_mode() == "strict"
+        assert torch_pjrt._C._get_process_mode() == process  # the refused capture switched nothing
