@@ -120,17 +120,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("_get_mode", [] { return mode_name(mode()); });
   m.def("_get_process_mode", [] { return mode_name(process_mode()); });
   // Gives the calling thread a mode of its own (None: the process's again); returns the previous own mode.
+  // Twice per compiled call: the GIL is let go only when there is device work (a switch to run what was recorded).
   m.def("_set_thread_mode", [](std::optional<std::string> name) -> std::optional<std::string> {
     std::optional<Mode> to = name ? std::optional<Mode>(parse_mode(*name)) : std::nullopt;
     Mode effective = to ? *to : process_mode();
     if (effective != mode()) {
+      py::gil_scoped_release nogil;
+      ExitGate gate;
       check_not_capturing(mode_name(effective));
       flush_pending();
     }
     std::optional<Mode> previous = set_thread_mode(to);
     if (!previous) return std::nullopt;
     return mode_name(*previous);
-  }, release_gil());
+  });
   m.def("_sync", [] { cut_pending(); }, release_gil());
   m.def("_cut_long", [] { cut_long_pending(); }, release_gil());
   m.def("_register_graph_impl", &register_graph_impl);
