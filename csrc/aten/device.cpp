@@ -31,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace torch_pjrt {
@@ -127,7 +128,10 @@ Runtime& runtime() {
   return rt;
 }
 
-Mode g_mode = Mode::Fused;  // the fast default; TORCH_PJRT_MODE picks another
+// The process's mode, fused by default (TORCH_PJRT_MODE picks another): atomic, as any thread may read it
+// while another sets it. A thread's own mode (set_thread_mode) comes first.
+std::atomic<Mode> g_mode{Mode::Fused};
+thread_local std::optional<Mode> t_mode;
 thread_local int g_current_device = 0;
 
 // ---- Allocator: a storage is a StorageState; nothing is allocated on the
@@ -641,8 +645,11 @@ uintptr_t storage_buffer_address(const StorageState& state) {
   return buffer->device_address();
 }
 
-Mode mode() { return g_mode; }
-void set_mode(Mode m) { g_mode = m; }
+Mode mode() { return t_mode ? *t_mode : g_mode.load(std::memory_order_relaxed); }
+Mode process_mode() { return g_mode.load(std::memory_order_relaxed); }
+void set_mode(Mode m) { g_mode.store(m, std::memory_order_relaxed); }
+std::optional<Mode> set_thread_mode(std::optional<Mode> m) { return std::exchange(t_mode, m); }
+std::optional<Mode> thread_mode() { return t_mode; }
 
 void configure_plugin(const std::string& path, const std::string& platform) {
   TORCH_CHECK(!runtime_started() || path == configured_path(),

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "graph/compile_cache.h"
@@ -85,8 +86,28 @@ void wait_host_transfers();
 size_t pending_host_transfers();  // held sources not yet released (tests)
 
 enum class Mode { Debug, Strict, Fused, Lazy };
+// The calling thread's mode: its own (set_thread_mode, a ThreadMode scope) if it has one, else the process's.
 Mode mode();
+// The process's mode (TORCH_PJRT_MODE, torch_pjrt.set_mode): every thread without a mode of its own runs in it.
+Mode process_mode();
 void set_mode(Mode mode);
+// The calling thread's own mode (nullopt: the process's); returns the previous one. Other threads keep theirs:
+// a compiled call records in fused mode while another thread runs its ops strictly.
+std::optional<Mode> set_thread_mode(std::optional<Mode> mode);
+std::optional<Mode> thread_mode();  // the calling thread's own mode, if it has one
+
+// RAII: the calling thread runs in `mode` until the scope ends. (Bindings flush pending graphs around a switch;
+// this scope does not: a graph recorded under one mode runs whenever a cut point comes.)
+class ThreadMode {
+ public:
+  explicit ThreadMode(Mode mode) : previous_(set_thread_mode(mode)) {}
+  ~ThreadMode() { set_thread_mode(previous_); }
+  ThreadMode(const ThreadMode&) = delete;
+  ThreadMode& operator=(const ThreadMode&) = delete;
+
+ private:
+  std::optional<Mode> previous_;
+};
 
 // Runs any recorded graph, then waits for all work enqueued so far on every
 // device (or on `device`) and for non_blocking uploads; raises failed checks.

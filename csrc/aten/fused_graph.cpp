@@ -1326,7 +1326,10 @@ void begin_capture(int device) {
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   TORCH_CHECK(!g.capturing, "capture_begin(): tpu:", device, " is already capturing a graph");
   run_graph(g);  // work recorded before the capture is not part of it
-  g.mode_before_capture = mode();
+  // The process's mode is what the capture switches (and restores): a thread's own mode must be fused to record.
+  TORCH_CHECK(thread_mode().value_or(Mode::Fused) == Mode::Fused, "capture_begin(): this thread runs in a mode of "
+              "its own that is not fused (torch_pjrt.thread_mode); a capture records in fused mode");
+  g.mode_before_capture = process_mode();
   g.rng_at_capture = next_rng_draw(std::nullopt, device, 0);  // a look, nothing drawn
   set_mode(Mode::Fused);  // strict and debug modes record too while capturing
   g.capturing = true;

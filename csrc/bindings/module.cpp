@@ -235,27 +235,55 @@ PYBIND11_MODULE(_C, m) {
     check_device_index(device);
     return client().device_kind(static_cast<size_t>(device));
   });
-  m.def("_set_mode", [](const std::string& name) {
-    static const std::map<std::string, Mode> modes{
-        {"debug", Mode::Debug}, {"strict", Mode::Strict}, {"fused", Mode::Fused}, {"lazy", Mode::Lazy}};
+  // A switch of the calling thread's mode runs what was recorded first: a recorded graph runs under the mode
+  // that recorded it. No switch while a device captures (a capture records in fused mode).
+  static const std::map<std::string, Mode> modes{
+      {"debug", Mode::Debug}, {"strict", Mode::Strict}, {"fused", Mode::Fused}, {"lazy", Mode::Lazy}};
+  static auto parse_mode = [](const std::string& name) {
     auto it = modes.find(name);
     TORCH_CHECK(it != modes.end(), "unknown torch_pjrt mode '", name, "': expected debug, strict, fused or lazy");
-    if (it->second != mode() && runtime_started())
-      for (DeviceContext* ctx : started_device_contexts())
-        TORCH_CHECK(!capturing(ctx->index), "cannot switch to ", name, " mode while tpu:", ctx->index,
-                    " is capturing a graph (torch.accelerator.Graph): a capture records in fused mode; set the mode "
-                    "before the capture");
-    flush_pending();  // a recorded graph runs under the mode that recorded it
-    set_mode(it->second);
-  }, release_gil());
-  m.def("_get_mode", [] {
-    switch (mode()) {
+    return it->second;
+  };
+  static auto mode_name = [](Mode m) -> std::string {
+    switch (m) {
       case Mode::Debug: return "debug";
       case Mode::Strict: return "strict";
       case Mode::Fused: return "fused";
       case Mode::Lazy: return "lazy";
     }
     return "strict";
+  };
+  static auto check_not_capturing = [](const std::string& name) {
+    if (runtime_started())
+      for (DeviceContext* ctx : started_device_contexts())
+        TORCH_CHECK(!capturing(ctx->index), "cannot switch to ", name, " mode while tpu:", ctx->index,
+                    " is capturing a graph (torch.accelerator.Graph): a capture records in fused mode; set the mode "
+                    "before the capture");
+  };
+  // The process's mode (every thread without a mode of its own).
+  m.def("_set_mode", [](const std::string& name) {
+    Mode to = parse_mode(name);
+    if (to != process_mode()) check_not_capturing(name);
+    flush_pending();
+    set_mode(to);
+  }, release_gil());
+  // The calling thread's mode: its own, else the process's.
+  m.def("_get_mode", [] { return mode_name(mode()); });
+  m.def("_get_process_mode", [] { return mode_name(process_mode()); });
+  // Gives the calling thread a mode of its own (None: the process's again); returns the previous own mode.
+  // Twice per compiled call: the GIL is let go only when there is device work (a switch to run what was recorded).
+  m.def("_set_thread_mode", [](std::optional<std::string> name) -> std::optional<std::string> {
+    std::optional<Mode> to = name ? std::optional<Mode>(parse_mode(*name)) : std::nullopt;
+    Mode effective = to ? *to : process_mode();
+    if (effective != mode()) {
+      py::gil_scoped_release nogil;
+      ExitGate gate;
+      check_not_capturing(mode_name(effective));
+      flush_pending();
+    }
+    std::optional<Mode> previous = set_thread_mode(to);
+    if (!previous) return std::nullopt;
+    return mode_name(*previous);
   });
   m.def("_sync", [] { cut_pending(); }, release_gil());
   m.def("_cut_long", [] { cut_long_pending(); }, release_gil());

@@ -39,7 +39,8 @@ from . import _data_dependent
 from . import _compile
 from .device_loader import DeviceLoader
 
-__all__ = ["DeviceLoader", "jax_op", "register_lowering", "op_traits", "set_mode", "get_mode", "mode", "sync", "optimizer_step", "metrics", "metrics_report", "reset_metrics",
+__all__ = ["DeviceLoader", "jax_op", "register_lowering", "op_traits", "set_mode", "get_mode", "mode", "thread_mode", "sync",
+           "optimizer_step", "metrics", "metrics_report", "reset_metrics",
            "platform", "lowered_ops", "explain"]
 
 MODES = ("debug", "strict", "fused", "lazy")
@@ -118,7 +119,7 @@ _print_from_host()
 
 
 def set_mode(name: str) -> None:
-    """Execution mode.
+    """The process's execution mode: every thread's, except inside a thread_mode() block.
 
     'fused' is the default.
     'debug': one op at a time, waits for each and checks it.
@@ -133,17 +134,37 @@ def set_mode(name: str) -> None:
 
 
 def get_mode() -> str:
+    """The calling thread's execution mode: its thread_mode() block's, else the process's."""
     return _C._get_mode()
 
 
 @contextlib.contextmanager
 def mode(name: str):
-    previous = get_mode()
+    """The process's mode is `name` for the block (every thread's, as set_mode)."""
+    previous = _C._get_process_mode()
     set_mode(name)
     try:
         yield
     finally:
         set_mode(previous)
+
+
+@contextlib.contextmanager
+def thread_mode(name: str):
+    """The calling thread runs its ops in mode `name` for the block; other threads keep theirs.
+
+    Switching runs what the thread's previous mode recorded. set_mode() inside
+    the block changes the process's mode, which the thread gets back after it.
+    Threads started inside the block, and autograd's device thread that runs a
+    tpu backward, run in the process's mode.
+    """
+    if name not in MODES:
+        raise ValueError(f"unknown torch_pjrt mode {name!r}: expected one of {MODES}")
+    previous = _C._set_thread_mode(name)
+    try:
+        yield
+    finally:
+        _C._set_thread_mode(previous)
 
 
 if _settings.text("TORCH_PJRT_MODE") != get_mode() and unavailable_reason is None:

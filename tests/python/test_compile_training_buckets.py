@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torch_pjrt
 from conftest import cpu_and_device
-from torch_pjrt import _compile
+from torch_pjrt import _compile, _inference_buckets
 
 DEVICE = "tpu"
 
@@ -197,7 +197,7 @@ def test_training_graphs_the_mask_cannot_fix_keep_exact_sizes(kind):
 
 def test_buckets_off_runs_exact_sizes(monkeypatch):
     """TORCH_PJRT_BATCH_BUCKETS=0 (read at import) turns training buckets off too."""
-    monkeypatch.setattr(_compile, "_BUCKETS", False)
+    monkeypatch.setattr(_inference_buckets, "_BUCKETS", False)
     torch._dynamo.reset()
     torch.manual_seed(4)
     dev = Net(7).to(DEVICE)
