@@ -24,7 +24,6 @@ would change its results (docs/design/compiled-mode.md).
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch

@@ -2,7 +2,6 @@
 padded to a power-of-two bucket and is cut back to its real rows (docs/design/compiled-mode.md)."""
 from __future__ import annotations
 
-import os
 
 import torch
 
