@@ -12,6 +12,8 @@ import torch
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # every test picks its mode(s): once per `make test`
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
 
 
