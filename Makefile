@@ -25,15 +25,17 @@ demo: build
 check-binaries:
 	sh tools/check_no_binaries.sh
 
-# C++ runtime tests, then the Python suite in each execution mode (files marked
-# modes_inside pick their modes themselves and run once, in the fused pass; debug
-# skips the OpInfo sweep: it only adds waiting to strict's programs).
+# C++ runtime tests, then the Python suite in each execution mode. Tests marked
+# modes_inside run once, in the fused pass (they pick their modes themselves, or
+# the mode adds nothing to them). Lazy and debug skip the OpInfo sweeps: each
+# sample is one op and a read, so lazy builds and runs fused's graph, and debug
+# only adds waiting to strict's programs.
 test: check-binaries build
 	cd $(BUILD) && ctest --output-on-failure
 	TORCH_PJRT_MODE=fused $(PY) -m pytest -q -p no:cacheprovider tests/python
-	for mode in strict lazy; do \
-	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python || exit 1; done
-	TORCH_PJRT_MODE=debug $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python -k "not opinfo"
+	TORCH_PJRT_MODE=strict $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" tests/python
+	for mode in lazy debug; do \
+	  TORCH_PJRT_MODE=$$mode $(PY) -m pytest -q -p no:cacheprovider -m "not modes_inside" -k "not opinfo" tests/python || exit 1; done
 
 bench: build
 	PYTHONPATH=python $(PY) benchmarks/bench_eager.py

@@ -56,7 +56,7 @@ TESTS="test_device.py test_ops.py test_fused.py test_training.py test_nan_semant
   test_exactness.py test_matmul_precision.py test_autocast.py test_views_autograd.py test_failed_steps.py
   test_compile_backend.py test_jax_op.py test_fused_optim.py test_complex.py test_moe_ops.py test_generation.py
   test_memory_format.py test_rnn.py test_eager_checks.py test_opinfo.py"
-FILES=$(for f in $TESTS; do echo tests/python/$f; done)
+FILES=$(for f in $TESTS; do echo tests/python/*/$f; done)  # tests/python/<layer>/test_x.py
 run_tests() {  # mode, seconds at most, seconds to keep for what follows
   local b=$(budget "$2" "$3") extra=""
   if (( b < 60 )); then echo "== tests, $1 mode: skipped ($b s left)"; return; fi

@@ -16,6 +16,13 @@ import torch_pjrt
 DEVICE = "tpu"
 
 
+def fused_pass_only(*values):
+    """Parameter values that run in make test's fused pass only (marked modes_inside): the extra dtypes of an
+    op sweep whose first values already take each mode's own path (the lowering is the same code in every
+    mode; the fused pass, which has no per-op CPU fallback, checks that each dtype's program compiles)."""
+    return [pytest.param(v, marks=pytest.mark.modes_inside) for v in values]
+
+
 def to_cpu(x):
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()

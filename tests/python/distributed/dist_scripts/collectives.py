@@ -1,6 +1,6 @@
 """Every c10d collective on tpu tensors through tpu_dist, against the same collective on CPU tensors with Gloo.
 
-Run by torchrun (tests/python/test_dist_backend.py): python -m torch.distributed.run --nproc-per-node N
+Run by torchrun (tests/python/distributed/test_dist_backend.py): python -m torch.distributed.run --nproc-per-node N
 collectives.py BACKEND, where BACKEND is "default" (init_process_group() with no backend), "tpu_dist" or
 "cpu:gloo,tpu:tpu_dist". Prints "RESULT rank=R checks=K failures=F" and exits 1 on any failure.
 """

@@ -31,7 +31,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 def launch(tmp_path_factory, name, nproc, cases, mode, **extra_env):
     out = tmp_path_factory.mktemp(name)
     env = dict(os.environ, TORCH_PJRT_MODE=mode, FSDP_TEST_COLLECTIVE_TIMEOUT="240", **extra_env,
-               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "fsdp_train.py"), str(out), str(nproc), ",".join(cases)],
                        capture_output=True, text=True, env=env, timeout=LAUNCH_TIMEOUT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

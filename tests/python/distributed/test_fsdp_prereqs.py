@@ -219,7 +219,7 @@ def test_dtensor_one_rank_mesh():
     """DTensor on DeviceMesh("tpu", [0]) with the default (tpu_dist) process group of world size 1."""
     from fsdp_train import free_port
     env = dict(os.environ, PORT=str(free_port()), PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(__file__), "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
+        [os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", DTENSOR_ONE_RANK], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and "ok 4" in r.stdout, r.stdout + r.stderr[-4000:]

@@ -17,7 +17,7 @@ import torch
 
 import torch_pjrt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
 PYTHON_DIR = os.path.join(ROOT, "python")
 
 # Subprocess tests do not depend on the parent's mode: `make test` runs them once.

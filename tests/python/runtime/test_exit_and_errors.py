@@ -56,6 +56,7 @@ def _run(script, mode, *args, timeout=180):
                           env=env, timeout=timeout)
 
 
+@pytest.mark.modes_inside  # its subprocesses pick their mode: once per `make test`
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_threads_in_device_calls_do_not_crash_the_exit(mode):
     for status in (0, 0, 0, 3):  # the script's own exit status survives
@@ -91,6 +92,7 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+@pytest.mark.modes_inside  # its subprocesses pick their mode: once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 def test_spent_buffers_queued_at_exit(mode):
     proc = _run(_SPENT_BUFFERS_AT_EXIT, mode, "5")  # the script's own status, not 0 by accident
@@ -115,6 +117,7 @@ print("ok", float(z) == float(z), flush=True)
 """
 
 
+@pytest.mark.modes_inside  # its subprocesses pick their mode: once per `make test`
 def test_cpu_daemon_threads_do_not_crash_the_exit():
     for _ in range(3):
         proc = _run(_CPU_DAEMON_AT_EXIT, "strict")
@@ -137,6 +140,7 @@ marks["end"] = time.monotonic()
 """
 
 
+@pytest.mark.modes_inside  # its subprocesses pick their mode: once per `make test`
 def test_idle_daemon_thread_does_not_delay_the_exit():
     proc = _run(_IDLE_DAEMON_AT_EXIT, "fused")
     assert proc.returncode == 0 and "ok True" in proc.stdout, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """torch.distributed on tpu tensors across processes: the tpu_dist backend (staged through Gloo on the CPU plugin).
 
 Each test launches a few processes (torchrun, or plain subprocesses where a rank must fail) running a script
-from tests/python/dist_scripts/, which checks many things per launch against Gloo on CPU tensors or one CPU
+from tests/python/distributed/dist_scripts/, which checks many things per launch against Gloo on CPU tensors or one CPU
 process, and prints RESULT lines. Every launch has a hard timeout. The scripts pick their execution modes
 (TORCH_PJRT_MODE per launch), so `make test` runs this file once.
 """
@@ -20,8 +20,8 @@ import torch_pjrt
 
 pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = os.path.join(ROOT, "tests", "python", "dist_scripts")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts")
 LAUNCH_TIMEOUT_S = 240  # the machine may be heavily loaded; a hang still ends here
 
 

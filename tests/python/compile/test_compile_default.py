@@ -22,7 +22,7 @@ from conftest import cpu_and_device, tiny_model
 
 pytestmark = pytest.mark.modes_inside  # compiled graphs run fused whatever the mode: each test picks its own
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
 
 
 def _mlp():

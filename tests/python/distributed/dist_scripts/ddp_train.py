@@ -2,7 +2,7 @@
 process training on the whole batch on the CPU. With --mpmd, rank 0 also evaluates and saves a checkpoint (a CPU
 copy) every 3 steps while the other ranks do not.
 
-Run by torchrun (tests/python/test_dist_backend.py). Prints "RESULT rank=R ..." and exits 1 on a mismatch.
+Run by torchrun (tests/python/distributed/test_dist_backend.py). Prints "RESULT rank=R ..." and exits 1 on a mismatch.
 """
 import argparse
 import datetime

@@ -12,6 +12,8 @@ import torch
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # every test picks its mode: once per `make test`
+
 
 def graphs():
     return torch_pjrt.metrics()["graphs"]
@@ -108,14 +110,16 @@ def test_rerecord_covers_the_new_point():
     torch.testing.assert_close(z.cpu(), y.cpu() + 1)
 
 
-def test_event_with_nothing_pending_or_running_is_complete():
-    torch.tpu.synchronize()
-    e = torch.tpu.Event()
-    before = graphs()
-    e.record()
-    assert e.query()
-    e.synchronize()
-    assert graphs() == before
+@pytest.mark.parametrize("mode", ["fused", "lazy", "strict", "debug"])
+def test_event_with_nothing_pending_or_running_is_complete(mode):
+    with torch_pjrt.mode(mode):
+        torch.tpu.synchronize()
+        e = torch.tpu.Event()
+        before = graphs()
+        e.record()
+        assert e.query()
+        e.synchronize()
+        assert graphs() == before
 
 
 def test_elapsed_time_positive_and_ordered():

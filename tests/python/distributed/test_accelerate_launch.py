@@ -2,7 +2,7 @@
 `accelerate launch` with the script unchanged, the losses and parameters of one process on the global batch;
 a tpu process left non-distributed under WORLD_SIZE > 1 raises; bf16, fp16 and the `tpu` compile backend.
 
-The launches run tests/python/dist_scripts/hf_train.py (2 processes, a tiny model, 4 steps), each under a hard
+The launches run dist_scripts/hf_train.py (2 processes, a tiny model, 4 steps), each under a hard
 timeout; they pick their execution mode, so `make test` runs this file once.
 """
 import json
@@ -18,8 +18,8 @@ import torch_pjrt
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.modes_inside  # runs its modes itself: once per `make test`
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "python", "dist_scripts", "hf_train.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "hf_train.py")
 LAUNCH_TIMEOUT_S = 240  # the machine may be heavily loaded; a hang still ends here
 
 

@@ -1,8 +1,15 @@
-"""The persistent compile cache, across processes sharing one directory."""
+"""The persistent compile cache, across processes sharing one directory.
+Every program, an op's (strict, debug) or a graph's (fused, lazy), goes through the one compile cache and its
+disk tier, so the subprocesses run in the surrounding (fused) pass's mode and `make test` runs this file once;
+the warm start is checked with both kinds of programs."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+pytestmark = pytest.mark.modes_inside  # one pass: the disk tier is the same code for every mode's programs
 
 SCRIPT = r"""
 import json, torch, torch_pjrt
@@ -37,10 +44,11 @@ def entries(cache_dir):
     return [p for p in cache_dir.iterdir() if p.suffix == ".xla"]
 
 
-def test_warm_start_compiles_nothing(tmp_path):
-    cold = run(tmp_path)
+@pytest.mark.parametrize("mode", ["fused", "strict"])  # graph programs, one program per op
+def test_warm_start_compiles_nothing(tmp_path, mode):
+    cold = run(tmp_path, {"TORCH_PJRT_MODE": mode})
     assert cold["compiles"] > 0 and cold["writes"] == cold["compiles"]
-    warm = run(tmp_path)
+    warm = run(tmp_path, {"TORCH_PJRT_MODE": mode})
     assert warm["compiles"] == 0
     assert warm["hits"] == cold["compiles"]
     assert warm["loss"] == cold["loss"]

@@ -75,6 +75,7 @@ def _forward_backward(model, x, compiled=False):
     return out, x.grad, {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("how", ["strict", "fused", "compiled"])
 def test_jax_rmsnorm_and_rope_match_pytorch(how):
     cpu, dev = _models()
@@ -91,6 +92,7 @@ def test_jax_rmsnorm_and_rope_match_pytorch(how):
     assert "torch_pjrt::jax_call" not in torch_pjrt.metrics()["cpu_fallbacks"]
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_jax_kernel_is_inlined_into_one_fused_program():
     cpu, dev = _models()
     x = torch.randn(2, 6, 16)
@@ -138,6 +140,7 @@ def _pallas():
     return pl
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_pallas_tiled_matmul_interpret_mode():
     pl = _pallas()
     block = 8

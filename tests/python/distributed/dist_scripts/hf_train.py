@@ -6,7 +6,7 @@
   the final parameters to --out, which the test compares between a 2-process and a 1-process run.
 
 Both check that accelerate set the process up distributed when WORLD_SIZE > 1 (tpu_dist, DDP, the world size).
-Run by tests/python/test_accelerate_launch.py. Prints "RESULT rank=R ..." and exits 1 on a failure.
+Run by tests/python/distributed/test_accelerate_launch.py. Prints "RESULT rank=R ..." and exits 1 on a failure.
 """
 import argparse
 import json

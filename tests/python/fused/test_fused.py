@@ -26,6 +26,7 @@ def train(mode, steps=4, dropout=0.2):
     return losses, weights
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
 def test_same_numbers_as_strict_including_dropout(mode):
     strict_losses, strict_weights = train("strict")
@@ -35,6 +36,7 @@ def test_same_numbers_as_strict_including_dropout(mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_training_step_is_one_graph_found_by_structure():
     train("fused", steps=2)  # warm up every shape
     torch_pjrt.reset_metrics()
@@ -45,6 +47,7 @@ def test_training_step_is_one_graph_found_by_structure():
     assert m["graph_cache_hits"] == m["graphs"]
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_lazy_runs_nothing_until_sync():
     with torch_pjrt.mode("lazy"):
         torch_pjrt.reset_metrics()
@@ -61,6 +64,7 @@ def test_lazy_runs_nothing_until_sync():
     torch.testing.assert_close(ref_a.cpu(), out)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_lazy_optimizer_step_syncs():
     with torch_pjrt.mode("lazy"):
         p = torch.nn.Parameter(torch.ones(4, device="tpu"))
@@ -72,6 +76,7 @@ def test_lazy_optimizer_step_syncs():
     torch.testing.assert_close(p.detach().cpu(), torch.zeros(4))
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_fallback_and_views_inside_a_graph():
     with torch_pjrt.mode("fused"):
         x = torch.arange(12.0).reshape(3, 4)
@@ -85,6 +90,7 @@ def test_fallback_and_views_inside_a_graph():
         torch.testing.assert_close(t.cpu(), x)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_dead_intermediates_do_not_keep_buffers():
     with torch_pjrt.mode("fused"):
         a = torch.randn(256, 256, device="tpu")
@@ -98,6 +104,7 @@ def test_dead_intermediates_do_not_keep_buffers():
     assert after - before == 256 * 256 * 4  # only the live result remains
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_graph_size_limit_and_mode_switch_flush():
     with torch_pjrt.mode("fused"):
         a = torch.zeros(4, device="tpu")
@@ -108,6 +115,7 @@ def test_graph_size_limit_and_mode_switch_flush():
     torch.testing.assert_close(a.cpu(), torch.full((4,), 50.0))
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_recompile_explainer_names_what_changed():
     def run(n):
         a = torch.ones(n, 3, device="tpu")
@@ -128,6 +136,7 @@ def buffer_address(t):
     return torch_pjrt._C._storage_buffer_address(t)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
 def test_in_place_updates_donate_their_buffers(mode):
     with torch_pjrt.mode(mode):
@@ -156,6 +165,7 @@ def test_in_place_updates_donate_their_buffers(mode):
         assert m["donated_bytes"] >= 2 * sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_donation_keeps_values_read_before_the_update():
     cpu = torch.randn(100)
     with torch_pjrt.mode("fused"):
@@ -176,6 +186,7 @@ def test_donation_keeps_values_read_before_the_update():
         assert torch_pjrt.metrics()["donated_buffers"] >= 1
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_strict_mode_gives_in_place_results_new_buffers():
     # The reference for the donation test above: strict mode runs one program
     # per op, without donation, so the buffer behind an updated tensor moves.
@@ -223,6 +234,7 @@ def test_graph_error_names_the_line_that_recorded_the_failing_op(mode):
         torch.testing.assert_close(z.cpu(), torch.tanh(cpu * 2 + 1))
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
 def test_fused_mode_cuts_graphs_at_optimizer_steps(mode):
     torch.manual_seed(0)
@@ -255,6 +267,7 @@ def test_fused_mode_cuts_graphs_at_optimizer_steps(mode):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_fused_inference_loop_is_one_repeating_graph_per_batch():
     # No optimizer step cuts an evaluation loop: fused mode cuts when the
     # outermost module call returns under no_grad, so the loop compiles a few
@@ -280,6 +293,7 @@ def test_fused_inference_loop_is_one_repeating_graph_per_batch():
     assert m["graphs"] >= 12 and m["compiles"] == 0
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "lazy", "strict"])
 def test_out_tensor_the_op_resizes_is_lowered_at_its_new_size(mode):
     """arange(out=empty(0)) grows out's storage after the op's signature was taken (mvlgamma does this)."""
@@ -311,6 +325,7 @@ def _addcdiv_raising_between(device):
     return a.cpu(), (b * 2).cpu(), (u1 + u2).cpu()
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
 def test_op_raising_while_recorded_leaves_no_operands_in_the_graph(mode):
     """Recording addcdiv_ read u1 and u2 into the graph's operands before its complex value raised: the

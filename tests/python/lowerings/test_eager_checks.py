@@ -177,6 +177,7 @@ DEFAULT_DTYPE_CASES = {
 }
 
 
+@pytest.mark.modes_inside  # picks its modes: once per `make test`
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 @pytest.mark.parametrize("name", list(DEFAULT_DTYPE_CASES))
 def test_cached_plans_follow_default_dtype(name, mode, default_dtype_restored):

@@ -8,6 +8,8 @@ import torch
 
 import torch_pjrt
 
+pytestmark = pytest.mark.modes_inside  # every test picks its mode(s): once per `make test`
+
 
 def step(seed):
     torch.tpu.manual_seed(seed)

@@ -1,7 +1,7 @@
 """One rank fails while the others go on to a collective: they must stop with an error naming the collective and
 the rank within the process group's timeout, not hang.
 
-Started once per rank by tests/python/test_dist_backend.py (not torchrun: its agent would kill the survivors
+Started once per rank by tests/python/distributed/test_dist_backend.py (not torchrun: its agent would kill the survivors
 itself). argv: RANK WORLD STORE_FILE TIMEOUT_S MODE, MODE "raise" (rank 1 raises) or "stall" (rank 1 sleeps).
 """
 import datetime

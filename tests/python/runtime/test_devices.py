@@ -142,6 +142,7 @@ TWO_DEVICES = textwrap.dedent(
 )
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 def test_two_devices_in_one_process(mode):
     env = dict(os.environ, TORCH_PJRT_CPU_DEVICES="2", TORCH_PJRT_MODE=mode)
@@ -150,6 +151,7 @@ def test_two_devices_in_one_process(mode):
     assert r.returncode == 0 and "TWO_DEVICES_OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("sync", ["accelerator", "tpu", "stream"])
 def test_synchronize_runs_the_pending_graph(sync):
     wait = {"accelerator": torch.accelerator.synchronize, "tpu": torch.tpu.synchronize,

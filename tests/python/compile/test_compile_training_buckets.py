@@ -48,6 +48,7 @@ SIZES = [3, 5, 7, 5, 9, 3, 6]
 BUCKETS = {3: 4, 5: 8, 6: 8, 7: 8, 9: 16}
 
 
+@pytest.mark.modes_inside  # runs under mode("fused"): once per `make test`
 def test_training_graph_runs_at_its_bucket():
     """Losses, logits, counts and gradients equal the CPU's at every size; a repeated size compiles nothing and
     a new size inside a seen bucket compiles no graph program: forward and backward replay the bucket's."""
@@ -319,7 +320,9 @@ def test_returned_view_of_an_input_still_aliases_it():
         assert torch.equal(x[:, :2].cpu(), torch.full((n, 2), 2.0))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+# Every Dynamo graph runs fused in every mode; the mode only runs the eager glue between them, the same for
+# both families: GPT-2 runs in the fused pass only.
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.modes_inside), "llama"])
 def test_hf_causal_lm_training_at_buckets(family):
     """A transformers causal LM called with labels (the loss computed inside, its labels a separate batch
     symbol after a graph break): every Dynamo graph runs padded, and the loss, logits and every gradient equal

@@ -12,7 +12,9 @@ import torch
 
 import torch_pjrt
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.modes_inside  # every test picks its mode(s): once per `make test`
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # tests/python/<layer>/ -> repo
 
 
 def chain(x, n):

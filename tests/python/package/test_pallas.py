@@ -129,6 +129,7 @@ def _loss_and_grads(model, x, compiled=False):
     return out, x.grad, {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("how", ["strict", "fused", "compiled"])
 def test_pallas_kernels_in_a_model_match_pytorch(how):
     cpu, dev = _models()
@@ -151,6 +152,7 @@ def test_pallas_kernels_in_a_model_match_pytorch(how):
     assert torch_pjrt.metrics()["cpu_fallbacks"].get("torch_pjrt::jax_call", 0) == before
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 def test_pallas_softmax_partial_last_block():
     x = torch.randn(3, 5, 16)  # 15 rows: the last block of 8 is partial
     with torch_pjrt.mode("fused"):
@@ -166,6 +168,7 @@ def test_pallas_without_custom_vjp_names_the_op_in_backward_error():
         out.sum().backward()
 
 
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 @pytest.mark.parametrize("kind", ["lapack", "callback"])
 def test_custom_calls_the_plugin_lacks_run_on_the_cpu(mode, kind):

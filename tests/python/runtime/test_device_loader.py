@@ -240,6 +240,8 @@ class FailingDataset(Dataset):
         return torch.full((3,), float(i))
 
 
+@pytest.mark.modes_inside  # worker errors and fork order are the loader's and the runtime start's, not the
+# mode's (fork under each mode: test_threads_fork.py): once per `make test`
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_error_is_raised_at_its_batch(workers):
     baseline = threading.active_count()
@@ -305,6 +307,8 @@ print("FLAGS", flags)
 """
 
 
+@pytest.mark.modes_inside  # worker errors and fork order are the loader's and the runtime start's, not the
+# mode's (fork under each mode: test_threads_fork.py): once per `make test`
 def test_workers_fork_after_the_runtime_started_in_a_fresh_process():
     """Workers forked before the runtime started would each start a PJRT client (torch.manual_seed seeds
     every device): DeviceLoader starts the runtime first, so workers cannot touch the device."""

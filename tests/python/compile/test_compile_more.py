@@ -17,6 +17,8 @@ from torch._dynamo.utils import counters
 import torch_pjrt
 from conftest import cpu_and_device
 
+pytestmark = pytest.mark.modes_inside  # every compiled call runs under mode("fused"): once per `make test`
+
 DEVICE = "tpu"
 
 
