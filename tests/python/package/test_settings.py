@@ -14,7 +14,7 @@ from torch_pjrt.__main__ import settings_markdown
 
 pytestmark = pytest.mark.modes_inside  # reads the environment; no execution mode involved
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 SOURCES = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".h")] + \
     list((ROOT / "python" / "torch_pjrt").rglob("*.py"))
 
