@@ -145,7 +145,14 @@ def _coerce(value, tp, key, f):
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
+        if value is False and "off" in f.metadata.get("choices", ()):
+            value = "off"  # YAML 1.1 reads a bare `off` as false
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = str(value)
             choices = f.metadata.get("choices")
