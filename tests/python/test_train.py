@@ -105,7 +105,7 @@ def test_text_files_through_datasets_and_plain_reader_agree(tmp_path):
 
 
 # ---- single process: train, resume bitwise, export ------------------------------------------------------
-RESUME = BASE + ["steps=8", "precision=bf16", "data.grad_accum=2", "optim.grad_clip=0.5",
+RESUME = BASE + ["steps=8", "optim.lr=3e-2", "precision=bf16", "data.grad_accum=2", "optim.grad_clip=0.5",
                  "model.activation_checkpointing=all"]
 
 
@@ -128,7 +128,7 @@ def test_tiny_llama_trains_loss_falls_and_logs(straight):
     d, trainer, history, _ = straight
     losses = [r["loss"] for r in history]
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert losses[-1] < losses[0] - 0.2 and losses[-1] < min(losses[:4]), losses  # from ln(256) = 5.55
     assert all(r["tokens_per_s"] > 0 for r in history) and all(r["mfu"] is None for r in history)  # CPU: no peak
     assert all(r["grad_norm"] is not None for r in history)
     assert _losses(d / "logs") == {r["step"]: r["loss"] for r in history}
@@ -171,7 +171,9 @@ def test_export_loads_in_cpu_transformers(straight):
 # ---- two processes, fsdp=2 -------------------------------------------------------------------------------
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
 def test_fsdp2_two_processes_match_one_process(tmp_path):
-    args = BASE + ["steps=4", "optim.grad_clip=1.0"]
+    # SGD: its update is linear in the gradient, so the two runs' float32 summation-order noise stays that
+    # small (AdamW turns noise on a near-zero gradient element into an lr-sized step)
+    args = BASE + ["steps=4", "optim.grad_clip=1.0", "optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9"]
     _run_cli(args + ["mesh.fsdp=2", f"log.dir={tmp_path}/two", f"checkpoint.export={tmp_path}/two_hf"], nproc=2)
     one = Trainer(load_config(None, args + [f"log.dir={tmp_path}/one", f"checkpoint.export={tmp_path}/one_hf"]))
     one.fit()
