@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -239,7 +240,9 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
         path = self._ckpt_dir(self.step)
         model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        with warnings.catch_warnings():  # one process without a process group is intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         torch.save({"step": self.step, "micro_done": self.micro_done, "scheduler": self.scheduler.state_dict(),
                     "cpu_rng": torch.get_rng_state(), "tpu_rng": torch.tpu.get_rng_state()},
                    os.path.join(path, f"trainer_rank{self.rank}.pt"))
@@ -257,7 +260,9 @@ class Trainer:
             return None
         model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path)
         set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=True)
         self.step, self.micro_done = extra["step"], extra["micro_done"]
