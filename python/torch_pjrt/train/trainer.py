@@ -1,0 +1,299 @@
+"""Trainer: a small config-driven causal-LM training loop on the `tpu` device; subclass and override
+build_model / build_data / build_optimizer / compute_loss / train_step / save_checkpoint /
+load_checkpoint / export to change one part.
+
+    Trainer(load_config("run.yaml", ["steps=200"])).fit()
+
+Resume is bitwise: a checkpoint holds the model and optimizer (torch.distributed.checkpoint, sharded
+as trained), and per rank the scheduler, the step, the data position and the CPU and tpu RNG states.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import torch_pjrt  # noqa: F401  (registers the tpu device)
+
+from . import mesh as M
+from .config import ConfigError, TrainConfig, to_dict
+from .data import ResumableBatches, build_dataset
+from .logging import MetricsLogger, peak_tflops
+
+__all__ = ["Trainer", "PRESETS", "make_model"]
+
+PRESETS = {
+    "llama-tiny": ("LlamaConfig", dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)),
+    "gpt2-tiny": ("GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=256)),
+}
+
+
+def make_model(cfg) -> torch.nn.Module:
+    """cfg: the ModelConfig. On the current default device (the CPU, or meta)."""
+    name, extra = cfg.name, dict(cfg.config)
+    if ":" in name and not os.path.exists(name):
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"config key 'model.name': cannot import {name!r}: {e}") from e
+        return factory(**extra)
+    import transformers
+    if name in PRESETS:
+        cls, base = PRESETS[name]
+        config = getattr(transformers, cls)(**{**base, **extra})
+    elif os.path.exists(name):
+        config = transformers.AutoConfig.from_pretrained(name, local_files_only=True, **extra)
+    else:
+        raise ConfigError(f"config key 'model.name': {name!r} is no preset ({', '.join(PRESETS)}), local path "
+                          f"or module:callable")
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _local_slice(full, dt):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        M.init_distributed()
+        self.rank, self.world_size = M.world()
+        self.shape = M.mesh_shape(cfg, self.world_size)
+        data, fsdp, tp = self.shape
+        if data > 1 and fsdp == 1 and tp > 1:
+            raise ConfigError("config key 'mesh.fsdp': data parallel with tensor parallel needs fsdp >= 2 (HSDP)")
+        self.dp_size, self.dp_rank = data * fsdp, self.rank // tp
+        micro_global = cfg.data.global_batch // cfg.data.grad_accum
+        if micro_global * cfg.data.grad_accum != cfg.data.global_batch or micro_global % self.dp_size:
+            raise ConfigError(f"config key 'data.global_batch': {cfg.data.global_batch} is not data.grad_accum="
+                              f"{cfg.data.grad_accum} x a multiple of the {self.dp_size} data-parallel ranks")
+        self.micro_global = micro_global
+        self.device = torch.device("tpu")
+        self.mesh = M.build_mesh(self.shape)
+        torch.manual_seed(cfg.seed)
+        torch.tpu.manual_seed(cfg.seed)
+        self.model = self.build_model()  # the module that owns the parameters (state dicts, export)
+        self.forward_model = torch.compile(self.model, backend="tpu") if cfg.compile else self.model
+        self.optimizer = self.build_optimizer()
+        self.scheduler = self.build_scheduler()
+        self.step, self.micro_done = 0, 0  # optimizer steps done; global micro-batches consumed
+        self.resumed_from = self.load_checkpoint() if cfg.checkpoint.dir and cfg.checkpoint.resume else None
+        self.loader = self.build_data()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    # ---- building -------------------------------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        cfg = self.cfg.model
+        model = make_model(cfg)  # on the CPU: the same initial values whatever the mesh
+        if cfg.init_from:
+            from safetensors.torch import load_file
+            model.load_state_dict(load_file(os.path.join(cfg.init_from, "model.safetensors")), strict=False)
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None) or cfg.config.get("vocab_size", 256)
+        if self.mesh is None or self.shape[1:] == (1, 1):
+            M.apply_activation_checkpointing(model, cfg.activation_checkpointing)
+            model.to(self.device)
+            if self.mesh is not None:  # data parallel only
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            return model
+        values = dict(model.named_parameters()) | dict(model.named_buffers())
+        with torch.device("meta"):
+            torch.manual_seed(self.cfg.seed)
+            shell = make_model(cfg)
+        M.apply_activation_checkpointing(shell, cfg.activation_checkpointing)
+        M.parallelize(shell, self.mesh, self.cfg.mesh.rules)
+        shell.to_empty(device=self.device)
+        from torch.distributed.tensor import DTensor
+        with torch.no_grad():
+            for name, t in list(shell.named_parameters()) + list(shell.named_buffers()):
+                if isinstance(t, DTensor):
+                    t.to_local().copy_(_local_slice(values[name], t))
+                else:
+                    t.copy_(values[name])
+        return shell
+
+    @property
+    def raw_model(self):
+        return self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
+
+    def build_data(self):
+        cfg = self.cfg.data
+        dataset = build_dataset(cfg, self.vocab_size)
+        sampler = ResumableBatches(len(dataset), self.micro_global, self.dp_rank, self.dp_size, self.cfg.seed,
+                                   start=self.micro_done)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers)
+        return iter(torch_pjrt.DeviceLoader(loader, self.device, prefetch=cfg.prefetch))
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if o.name == "sgd":
+            return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+    def build_scheduler(self):
+        o, total = self.cfg.optim, self.cfg.steps
+
+        def factor(step):
+            if step < o.warmup_steps:
+                return (step + 1) / o.warmup_steps
+            if o.schedule == "constant":
+                return 1.0
+            frac = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+            shape = 1 - frac if o.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+            return o.min_lr_ratio + (1 - o.min_lr_ratio) * shape
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def compute_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        out = self.forward_model(input_ids=batch, labels=batch) if hasattr(self.raw_model, "config") else self.forward_model(batch)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+        logits = getattr(out, "logits", out)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def train_step(self) -> dict:
+        accum = self.cfg.data.grad_accum
+        total = None
+        for _ in range(accum):
+            batch = next(self.loader)
+            with torch.autocast("tpu", dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+                loss = self.compute_loss(batch) / accum
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            self.micro_done += 1
+        grad_norm = None
+        if self.cfg.optim.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": total, "grad_norm": grad_norm, "lr": lr}
+
+    def _reduce_loss(self, loss: torch.Tensor) -> float:
+        if self.world_size > 1:  # every dp group's mean is the global batch's mean (equal slices)
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return loss.item()
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+        run_dir = os.path.join(cfg.log.dir, cfg.run_name)
+        logger = MetricsLogger(cfg.log, run_dir, cfg.steps, self.step, self.rank == 0, to_dict(cfg))
+        peak = peak_tflops(torch.tpu.get_device_name(), cfg.log.peak_tflops)
+        tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        t0, since = time.perf_counter(), self.step
+        try:
+            while self.step < end:
+                out = self.train_step()
+                if self.step % cfg.log.every == 0 or self.step == end:
+                    loss = self._reduce_loss(out["loss"])
+                    now = time.perf_counter()
+                    dt = (now - t0) / (self.step - since)
+                    tps = tokens_per_step / dt
+                    norm = out["grad_norm"]
+                    if norm is not None:
+                        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+                    mfu = None if peak is None else 6 * self.n_params * tps / (peak * 1e12 * self.world_size)
+                    logger.log({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": norm,
+                                "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt})
+                    t0, since = now, self.step
+                if cfg.checkpoint.dir and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+            if cfg.checkpoint.dir and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
+                self.save_checkpoint()
+            if cfg.checkpoint.export and self.step == cfg.steps:
+                self.export(cfg.checkpoint.export)
+        finally:
+            logger.close()
+        return logger.history
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def _ckpt_dir(self, step: int) -> str:
+        return os.path.join(self.cfg.checkpoint.dir, f"step_{step:08d}")
+
+    def latest_checkpoint(self) -> str | None:
+        root = self.cfg.checkpoint.dir
+        if not os.path.isdir(root):
+            return None
+        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.exists(os.path.join(root, d, "DONE")))
+        return os.path.join(root, done[-1]) if done else None
+
+    def _barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+    def save_checkpoint(self) -> str:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        path = self._ckpt_dir(self.step)
+        model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
+        with warnings.catch_warnings():  # one process without a process group is intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        torch.save({"step": self.step, "micro_done": self.micro_done, "scheduler": self.scheduler.state_dict(),
+                    "cpu_rng": torch.get_rng_state(), "tpu_rng": torch.tpu.get_rng_state()},
+                   os.path.join(path, f"trainer_rank{self.rank}.pt"))
+        self._barrier()
+        if self.rank == 0:
+            open(os.path.join(path, "DONE"), "w").close()  # only complete checkpoints are resumed
+        self._barrier()
+        return path
+
+    def load_checkpoint(self, path: str | None = None) -> str | None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        path = path or self.latest_checkpoint()
+        if path is None:
+            return None
+        model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=True)
+        self.step, self.micro_done = extra["step"], extra["micro_done"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["cpu_rng"])
+        torch.tpu.set_rng_state(extra["tpu_rng"])
+        torch.tpu.synchronize()
+        return path
+
+    # ---- export ---------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict:
+        """Every rank calls it (collectives); full CPU tensors on rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export(self, out_dir: str) -> None:
+        """HF layout: model.safetensors + config.json (AutoModelForCausalLM.from_pretrained loads it on the CPU)."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            raw = self.raw_model
+            if hasattr(raw, "save_pretrained"):
+                cpu = type(raw)(raw.config)
+                cpu.load_state_dict(state)
+                cpu.save_pretrained(out_dir, safe_serialization=True)
+            else:
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))
+        self._barrier()
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
