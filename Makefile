@@ -7,7 +7,7 @@ BUILD ?= build
 deps:
 	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers accelerate setuptools
 	# torch_pjrt.train: config, progress bar, logs, plot, W&B offline, HF datasets, Kubernetes manifest checks.
-	$(PY) -m pip install -q pyyaml tqdm safetensors tensorboard matplotlib wandb datasets kubernetes
+	$(PY) -m pip install -q torch==2.13.0 pyyaml tqdm safetensors tensorboard matplotlib wandb datasets kubernetes
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
 	$(PY) -m pip install -q jax==0.10.2

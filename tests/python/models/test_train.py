@@ -22,7 +22,7 @@ from torch_pjrt.train.data import build_dataset
 
 pytestmark = [pytest.mark.modes_inside, pytest.mark.timeout(900)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LAUNCH_TIMEOUT_S = 400
 
 BASE = ["model.name=llama-tiny", "data.seq_len=32", "data.global_batch=8", "optim.lr=1e-2", "optim.warmup_steps=2",
