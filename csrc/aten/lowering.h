@@ -76,7 +76,7 @@ class Context {
   // advances by `count` so every draw is fresh and reproducible.
   virtual Value rng_state(int64_t count) = 0;
 
-  // A flat cat (executor.cpp, flat_cat_of): elements of its result's
+  // A flat cat (growth.cpp, flat_cat_of): elements of its result's
   // buffer (0: not one), its row count, and per piece its whole storage read
   // flat from the piece's start (values past the piece are whatever the
   // storage holds) with, for one row, its start in the result as a runtime
@@ -102,7 +102,7 @@ class Context {
   };
   virtual std::optional<Padded> padded(std::string_view name, int64_t dim) { return std::nullopt; }
 
-  // A runtime-length op (executor.cpp, runtime_length_of): tensors whose last
+  // A runtime-length op (growth.cpp, runtime_length_of): tensors whose last
   // dim is the call's runtime length (a mask growing by a token per step) are
   // read padded to a bound that tensor_dims reports, so the program does not
   // depend on the length. This is that length (s64[]) when dim `dim` of
@@ -127,7 +127,7 @@ using LoweringFn = std::vector<Value> (*)(Context&);
 using Lowering = std::function<std::vector<Value>(Context&)>;
 
 // Checks and layout choices the CPU kernel makes in its body, outside its meta
-// function, that the executor repeats for the op (executor.cpp: the hooks
+// function, that the executor repeats for the op (op_planning.cpp: the hooks
 // named after each flag). Bits of OpRule::cpu_rules.
 enum CpuRule : uint32_t {
   kAlphaCheck = 1 << 0,       // BinaryOps' alpha_check (check_cpu_kernel_rules)
@@ -170,14 +170,14 @@ struct OpRule {
   bool complex = false;
   // Each result element depends only on the inputs' elements at its position
   // (no reductions, no runtime checks): over whole capacity storages it runs
-  // on their whole buffers (executor.cpp, capacity_elementwise_of).
+  // on their whole buffers (growth.cpp, capacity_elementwise_of).
   bool elementwise = false;
-  // Runs on tensors padded along a runtime-length last dim (executor.cpp,
+  // Runs on tensors padded along a runtime-length last dim (growth.cpp,
   // runtime_length_of), the padding holding this value: the identity of a
   // reduction, an index in range. Elementwise ops run so without one.
   std::optional<double> length_padding;
   uint32_t cpu_rules = 0;  // CpuRule bits
-  // Memory overlap as the CPU kernel checks it (executor.cpp, check_memory_overlap). By default
+  // Memory overlap as the CPU kernel checks it (op_planning.cpp, check_memory_overlap). By default
   // TensorIterator's: no internal overlap of an output, no partial overlap of an output with an input.
   bool internal_overlap_ok = false;           // writes an overlapping output (a constant fill)
   bool inputs_overlap_unchecked = false;      // no output/input overlap check at all

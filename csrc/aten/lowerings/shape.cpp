@@ -176,7 +176,7 @@ std::vector<Value> lower_topk(Context& c) {
 // start + i * step, computed in f64 (or s64 for integer outputs) as PyTorch's
 // CPU kernel accumulates; the bounds are baked: they decide the length. An
 // integer start is a runtime operand: a runtime-length arange
-// (executor.cpp, runtime_length_of) keys neither it nor its end.
+// (growth.cpp, runtime_length_of) keys neither it nor its end.
 std::vector<Value> lower_arange(Context& c) {
   const OutputMeta& o = c.output(0);
   bool integral = !is_float(o.element);
