@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "aten/device.h"
+#include "aten/device_context.h"
 #include "aten/growth.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
@@ -436,17 +437,18 @@ CheckInfos check_infos_of(const Call& call, const std::vector<lowering::RuntimeC
 }
 // Strict and debug modes: an op recorded at the same user line with a new
 // signature is a recompile; it is noted with what changed, for torch_pjrt.explain().
-void note_op_recompile(const std::string& name, const std::string& description, graph::SourceLocation location) {
-  static std::mutex mutex;
-  static std::map<std::pair<std::string, graph::SourceLocation>, std::string> last;  // -> last description
-  std::lock_guard<std::mutex> lock(mutex);
-  auto [it, first] = last.try_emplace({name, location}, description);
-  if (first) return;
-  std::string reason = name + " at " + graph::describe_source_location(location) + " recompiled: " + description +
-                       " where the previous compile had " + it->second;
-  if (it->second == description) reason += " (same shapes and dtypes: strides, storage offset, aliasing or other arguments differ)";
-  graph::note_recompile_reason(std::move(reason));
-  it->second = description;
+void note_op_recompile(int device, const std::string& name, const std::string& description,
+                       graph::SourceLocation location) {
+  device_context(device).with_recompile_history([&](RecompileHistory& h) {
+    auto [it, first] = h.op_signatures.try_emplace({name, location}, description);
+    if (first) return;
+    std::string reason = name + " at " + graph::describe_source_location(location) + " recompiled: " + description +
+                         " where the previous compile had " + it->second;
+    if (it->second == description)
+      reason += " (same shapes and dtypes: strides, storage offset, aliasing or other arguments differ)";
+    graph::note_recompile_reason(std::move(reason));
+    it->second = description;
+  });
 }
 
 // A strict op whose check fails writes nothing: each storage it rewrites
@@ -471,7 +473,7 @@ void keep_values_on_failed_check(lowering::Builder& b, const Call& call, const C
 // Strict and debug modes: the op as a program of its own.
 void compile_alone(Call& call, CachedOp& cached, graph::SourceLocation location) {
   std::string description = describe_call(call.schema, call.args);
-  note_op_recompile(op_name(call.schema), description, location);
+  note_op_recompile(call.device, op_name(call.schema), description, location);
   ProfileScope profile([&] { return std::pair{"torch_pjrt::compile(" + description + ")", description}; });
   lowering::Builder b;
   b.set_location(op_location(call.schema, location));

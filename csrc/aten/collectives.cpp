@@ -162,7 +162,7 @@ std::vector<at::Tensor> run_collective(const std::string& kind, const std::vecto
   for (size_t r = 0; r < inputs.size(); ++r) {
     at::Tensor out = at::empty(program.out_dims, inputs[r].options());
     install_buffer(storage_state(out.storage()), std::move(result.outputs[r][0]));
-    track(static_cast<int>(devices[r]), std::move(result.done[r]), exe);
+    device_context(static_cast<int>(devices[r])).track(std::move(result.done[r]), exe);
     outputs.push_back(std::move(out));
   }
   return outputs;

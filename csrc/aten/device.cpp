@@ -371,7 +371,7 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   bool queryStream(const c10::Stream& stream) const override {
     int index = stream.device_index() < 0 ? current_device() : stream.device_index();
     flush_pending(index);
-    for (const auto& work : in_flight_work(index))
+    for (const auto& work : device_context(index).in_flight_work())
       if (!work->done->is_ready()) return false;
     return true;
   }
@@ -754,11 +754,7 @@ std::vector<DeviceContext*> started_device_contexts() {
   return contexts();
 }
 
-void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
-  track_work(device, std::move(done), std::move(program));
-}
-
-std::shared_ptr<Work> track_work(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
+std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
   if (!done) return nullptr;
   if (mode() == Mode::Debug) {
     done->wait();
@@ -769,27 +765,24 @@ std::shared_ptr<Work> track_work(int device, std::unique_ptr<pjrt::Event> done, 
   work->program = std::move(program);
   // The callback touches only the stamp: it may run on a plugin thread.
   work->done->on_ready([finished = work->finished_ns] { finished->store(now_ns()); });
-  DeviceContext& ctx = device_context(device);
-  std::lock_guard<std::mutex> lock(ctx.work_mutex);
-  while (!ctx.in_flight.empty() && ctx.in_flight.front()->done->is_ready()) {
-    auto ready = std::move(ctx.in_flight.front());
-    ctx.in_flight.pop_front();
+  std::lock_guard<std::mutex> lock(work_mutex_);
+  while (!in_flight_.empty() && in_flight_.front()->done->is_ready()) {
+    auto ready = std::move(in_flight_.front());
+    in_flight_.pop_front();
     ready->done->wait();  // surfaces a failure of an earlier async program
   }
-  ctx.in_flight.push_back(work);
+  in_flight_.push_back(work);
   return work;
 }
 
-std::vector<std::shared_ptr<Work>> in_flight_work(int device) {
-  DeviceContext& ctx = device_context(device);
-  std::lock_guard<std::mutex> lock(ctx.work_mutex);
-  return {ctx.in_flight.begin(), ctx.in_flight.end()};
+std::vector<std::shared_ptr<Work>> DeviceContext::in_flight_work() {
+  std::lock_guard<std::mutex> lock(work_mutex_);
+  return {in_flight_.begin(), in_flight_.end()};
 }
 
-std::deque<std::shared_ptr<Work>> take_in_flight(int device) {
-  DeviceContext& ctx = device_context(device);
-  std::lock_guard<std::mutex> lock(ctx.work_mutex);
-  return std::exchange(ctx.in_flight, {});
+std::deque<std::shared_ptr<Work>> DeviceContext::take_in_flight() {
+  std::lock_guard<std::mutex> lock(work_mutex_);
+  return std::exchange(in_flight_, {});
 }
 
 pjrt::BufferPtr rng_state_buffer(RngDraw draw, int device) {
@@ -813,7 +806,7 @@ void synchronize(int device) {
   check_not_forked();
   flush_pending(device);
   wait_host_transfers();  // after this, the sources of non_blocking copies may change
-  std::deque<std::shared_ptr<Work>> pending = take_in_flight(device);
+  std::deque<std::shared_ptr<Work>> pending = device_context(device).take_in_flight();
   try {
     for (auto& work : pending) work->done->wait();
   } catch (const pjrt::Error& e) {

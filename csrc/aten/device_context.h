@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "aten/runtime_checks.h"
+#include "graph/source_location.h"
 #include "pjrt/buffer.h"
 #include "pjrt/event.h"
 #include "pjrt/executable.h"
@@ -42,9 +44,47 @@ struct GraphRun {
   std::string failure;         // why it failed ("" if it did not)
 };
 
-struct DeviceContext {
+// What torch_pjrt.explain() compares a recompile with: the graphs and op
+// signatures compiled before on the same device (two devices' programs are
+// not each other's history).
+struct SeenGraph {
+  std::vector<std::string> keys, descriptions, details;
+  std::vector<std::vector<std::vector<int64_t>>> sizes;
+};
+struct RecompileHistory {
+  SeenGraph last;                       // fused: the last graph compiled
+  std::map<size_t, SeenGraph> by_length;  // fused: the last one of each length (loops alternate graphs)
+  // strict/debug: the last signature compiled per op and user line
+  std::map<std::pair<std::string, graph::SourceLocation>, std::string> op_signatures;
+};
+
+// The runtime of one device: its caches, its pending graph, its work in
+// flight, its check statuses and its recompile history. Code that acts on a
+// device takes its context (device_context(index)) and calls these methods.
+class DeviceContext {
+ public:
   explicit DeviceContext(int index);
   const int index;
+
+  // ---- work in flight: programs enqueued and not yet seen done
+  // Keeps a program's completion event (and its executable) until it is done.
+  void track(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
+    track_work(std::move(done), std::move(program));
+  }
+  // track() that returns the work (null in debug mode or without an event: it is done).
+  std::shared_ptr<Work> track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
+  // The work in flight now (an Event's snapshot).
+  std::vector<std::shared_ptr<Work>> in_flight_work();
+  // Empties the in-flight list and returns it (synchronize waits on it).
+  std::deque<std::shared_ptr<Work>> take_in_flight();
+
+  // ---- recompile history (torch_pjrt.explain()): `fn` runs under its lock.
+  template <typename Fn>
+  auto with_recompile_history(Fn&& fn) {
+    std::lock_guard<std::mutex> lock(recompile_mutex_);
+    return fn(recompile_history_);
+  }
+
   // Op plans: a plan holds an executable compiled for this device, so the
   // signature key alone is unambiguous inside one context.
   std::mutex op_cache_mutex;
@@ -58,9 +98,6 @@ struct DeviceContext {
   std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> graph_cache;
   // The default generator (torch.tpu.manual_seed(seed) for this device).
   at::Generator generator;
-  // Programs enqueued and not yet seen done (synchronize and events wait on them).
-  std::mutex work_mutex;
-  std::deque<std::shared_ptr<Work>> in_flight;
   // Runtime check statuses not yet read (runtime_checks.cpp).
   std::mutex checks_mutex;
   std::vector<PendingStatus> check_statuses;
@@ -70,6 +107,12 @@ struct DeviceContext {
   std::atomic<uint64_t> programs{0};
   uint64_t failed_program = 0;
   std::vector<HostUndo> host_undos;  // under checks_mutex
+
+ private:
+  std::mutex work_mutex_;
+  std::deque<std::shared_ptr<Work>> in_flight_;
+  std::mutex recompile_mutex_;
+  RecompileHistory recompile_history_;
 };
 
 // The context of device `index` (checked). Contexts live as long as the process.
@@ -78,14 +121,5 @@ DeviceContext& device_context(int index);
 std::vector<DeviceContext*> started_device_contexts();
 // Made by fused_graph.cpp (where PendingGraph is complete).
 std::shared_ptr<PendingGraph> make_pending_graph();
-
-// Keeps a program's completion event (and its executable) in its device's in-flight list.
-void track(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
-// track() that returns the work (null in debug mode or without an event: it is done).
-std::shared_ptr<Work> track_work(int device, std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
-// The device's in-flight work now (an Event's snapshot).
-std::vector<std::shared_ptr<Work>> in_flight_work(int device);
-// Empties the device's in-flight list and returns it (synchronize waits on it).
-std::deque<std::shared_ptr<Work>> take_in_flight(int device);
 
 }  // namespace torch_pjrt

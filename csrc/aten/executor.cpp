@@ -104,7 +104,7 @@ bool execute(Call& call, const CachedOp& cached, torch::jit::Stack* stack, size_
   ++metrics().executions;
   graph::count_lowered_op(op_name(call.schema));
   if (profile.active() && result.done) result.done->wait();
-  track(call.device, std::move(result.done), std::move(exe));
+  device_context(call.device).track(std::move(result.done), std::move(exe));
   if (mode() == Mode::Debug) raise_failed_checks(call.device);  // debug waited for the program: raise at the op
   if (mode() == Mode::Debug) check_finite(call, outs);
   push_returns(stack, nargs, cached, outs);

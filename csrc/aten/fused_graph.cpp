@@ -503,16 +503,8 @@ std::string changed_input(const std::vector<std::vector<int64_t>>& now,
 }
 
 // Recompilation explainer: says how a graph that missed the cache differs
-// from the graph compiled before it on the same device, and at which user line.
-struct SeenGraph {
-  std::vector<std::string> keys, descriptions, details;
-  std::vector<std::vector<std::vector<int64_t>>> sizes;
-};
-struct RecompileHistory {
-  SeenGraph last;
-  std::map<size_t, SeenGraph> by_length;
-};
-
+// from the graph compiled before it on the same device (its context keeps
+// the history), and at which user line.
 std::string recompile_reason(const PendingGraph& g, const SeenGraph& now, const SeenGraph& before) {
   const std::vector<std::string>& keys = now.keys;
   const std::vector<std::string>& last_keys = before.keys;
@@ -538,10 +530,6 @@ std::string recompile_reason(const PendingGraph& g, const SeenGraph& now, const 
 }
 
 void explain_recompile(const PendingGraph& g) {
-  // Compared with the last compiled graph of the same length when there is
-  // one: loops alternate graphs (a decode step's forward, then its sampling).
-  static std::mutex mutex;
-  static std::map<int, RecompileHistory> histories;  // per device: two devices' graphs are not each other's history
   SeenGraph now;
   for (const RecordedOp& rec : g.ops) {
     now.keys.push_back(rec.key);
@@ -549,16 +537,18 @@ void explain_recompile(const PendingGraph& g) {
     now.details.push_back(layout_detail(rec));
     now.sizes.push_back(tensor_sizes(rec));
   }
-  std::lock_guard<std::mutex> lock(mutex);
-  RecompileHistory& h = histories[g.device];
-  auto same_length = h.by_length.find(now.keys.size());
-  const SeenGraph& before = same_length != h.by_length.end() ? same_length->second : h.last;
-  if (!before.keys.empty())
-    graph::note_recompile_reason("graph of " + std::to_string(now.keys.size()) + " ops recompiled: " +
-                                 recompile_reason(g, now, before));
-  if (h.by_length.size() > 256) h.by_length.clear();
-  h.by_length[now.keys.size()] = now;
-  h.last = std::move(now);
+  device_context(g.device).with_recompile_history([&](RecompileHistory& h) {
+    // Compared with the last compiled graph of the same length when there is
+    // one: loops alternate graphs (a decode step's forward, then its sampling).
+    auto same_length = h.by_length.find(now.keys.size());
+    const SeenGraph& before = same_length != h.by_length.end() ? same_length->second : h.last;
+    if (!before.keys.empty())
+      graph::note_recompile_reason("graph of " + std::to_string(now.keys.size()) + " ops recompiled: " +
+                                   recompile_reason(g, now, before));
+    if (h.by_length.size() > 256) h.by_length.clear();
+    h.by_length[now.keys.size()] = now;
+    h.last = std::move(now);
+  });
 }
 
 // Profiler record of a graph: "torch_pjrt::execute(12 ops: aten::mm, ...)" and every op's signature.
@@ -824,7 +814,7 @@ void run_graph(PendingGraph& g) {
   }
   std::shared_ptr<Work> work;
   try {
-    work = track_work(device, std::move(done), std::move(exe));
+    work = device_context(device).track_work(std::move(done), std::move(exe));
   } catch (...) {
     finish_run(g, nullptr, "");  // this graph ran; the error is an earlier program's
     throw;
@@ -851,7 +841,7 @@ std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_
   check_not_forked();
   PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  in_flight = in_flight_work(device);
+  in_flight = device_context(device).in_flight_work();
   if (g.ops.empty()) return nullptr;
   if (!g.run) g.run = std::make_shared<GraphRun>();
   return g.run;
@@ -982,6 +972,9 @@ struct ReplayOutput {
 }  // namespace
 
 struct ReplayPlan {
+  // The device its program was compiled for and its constant buffers live on:
+  // inputs on another device take the recorded path (a program of their own).
+  int device = -1;
   std::shared_ptr<CompiledGraph> compiled;
   std::vector<TensorMeta> inputs;
   std::vector<int> operand_input;               // per program parameter: the input it reads, or -1
@@ -1040,8 +1033,11 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
                                         const std::vector<int>& live) {
   g_replay_refusal.clear();
   auto plan = std::make_shared<ReplayPlan>();
-  for (const at::Tensor& t : inputs)
+  for (const at::Tensor& t : inputs) {
     if (!device_tensor(t)) return refuse("an input is not a tpu tensor");
+    if (t.get_device() != g.device) return refuse("an input is on another tpu device than the graph");
+  }
+  plan->device = g.device;
   plan->inputs = input_metas(inputs);
   auto input_of_storage = [&](const StorageState* st) {
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -1135,7 +1131,7 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
   run_graph(g);
   if (!plan) return nullptr;
   g_replay_refusal = "the program is not in the graph cache";
-  DeviceContext& ctx = device_context(graph_device(inputs));
+  DeviceContext& ctx = device_context(plan->device);
   std::lock_guard<std::mutex> cache_lock(ctx.graph_cache_mutex);
   auto it = ctx.graph_cache.find(key);
   if (it == ctx.graph_cache.end()) return nullptr;
@@ -1166,11 +1162,11 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   check_not_forked();
   if (inputs.size() != plan.inputs.size()) return std::nullopt;
   for (const at::Tensor& t : inputs)
-    if (!device_tensor(t)) return std::nullopt;
+    if (!device_tensor(t) || t.get_device() != plan.device) return std::nullopt;
   std::vector<int> sharing = first_sharing(inputs);
   for (size_t i = 0; i < inputs.size(); ++i)
     if (!plan.inputs[i].same_view(inputs[i]) || sharing[i] != plan.inputs[i].storage) return std::nullopt;
-  int device = graph_device(inputs);
+  const int device = plan.device;
   PendingGraph& g = pending_graph(device);
   std::lock_guard<std::recursive_mutex> lock(g.mutex);
   run_graph(g);  // the inputs' values, and the order of work before this call
@@ -1225,7 +1221,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   ++metrics().graphs;
   ++metrics().graph_cache_hits;
   ++metrics().compiled_replays;
-  track(device, std::move(result.done), std::move(exe));
+  device_context(device).track(std::move(result.done), std::move(exe));
   static const c10::DispatchKeySet keys = at::empty({0}, at::TensorOptions().device(kTpu)).key_set();
   std::vector<std::optional<at::Tensor>> outs;
   outs.reserve(plan.outputs.size());
@@ -1457,7 +1453,7 @@ void replay_captured(CapturedGraph& cap) {
   ++metrics().executions;
   ++metrics().graphs;
   ++metrics().graph_replays;
-  track(cap.device, std::move(result.done), std::move(exe));
+  device_context(cap.device).track(std::move(result.done), std::move(exe));
 }
 
 const std::string& captured_program_text(const CapturedGraph& cap) { return cap.program_text; }

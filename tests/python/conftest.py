@@ -73,6 +73,14 @@ def assert_matches_cpu(fn, *args, **tol):
 
 
 @pytest.fixture(autouse=True)
+def _metrics_of_this_test():
+    """torch_pjrt.metrics() counts from each test's start: the counters are process-wide, and a test asserting
+    "no CPU fallback" must not see the fallbacks of tests that ran before it (order-dependent failures)."""
+    torch_pjrt.reset_metrics()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _quiet_fallback_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch_pjrt:")

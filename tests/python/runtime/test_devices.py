@@ -69,6 +69,14 @@ TWO_DEVICES = textwrap.dedent(
         assert torch.equal(t.cpu(), make("cpu")), (t.cpu(), make("cpu"))
         assert torch.equal((t + make("tpu:1")).cpu(), make("cpu") * 2)
 
+    # A compiled function on each device: every device's call runs the program compiled for that
+    # device (a replay plan carries its device), interleaved, against the CPU.
+    f = torch.compile(lambda a, b: (a @ b).relu() + a.sum(), backend="tpu")
+    for d in ("tpu:0", "tpu:1", "tpu:0", "tpu:1", "tpu:1"):
+        out = f(x.to(d), x.t().contiguous().to(d) * 0.5)
+        assert out.device == torch.device(d), out.device
+        close(out.cpu(), (x @ x.t() * 0.5).relu() + x.sum())
+
     # An op mixing devices raises PyTorch's error.
     for bad in (lambda: a0 + a1, lambda: torch.mm(a0, a1.t()), lambda: a0.add_(a1)):
         try:
