@@ -352,6 +352,28 @@ def _apply(self, fn, *args, **kwargs):
 _apply.__wrapped__ = _module_apply
 torch.nn.Module._apply = _apply
 
+# A model built on the device (`with torch.device("tpu"):`, `Model(device="tpu")`) is never moved, so no
+# `_apply` puts the cut on it; `eval()` / `train()` on the outermost module does (HF's from_pretrained and
+# every evaluation loop call it on the model the user calls).
+_training_calls = threading.local()  # depth of nested Module.train calls: children are set inside their parent's
+_module_train = torch.nn.Module.train
+
+
+def _train(self, mode=True):
+    depth = getattr(_training_calls, "depth", 0)
+    _training_calls.depth = depth + 1
+    try:
+        result = _module_train(self, mode)
+    finally:
+        _training_calls.depth = depth
+    if depth == 0 and isinstance(self, torch.nn.Module):
+        _update_cut_hooks(self)
+    return result
+
+
+_train.__wrapped__ = _module_train
+torch.nn.Module.train = _train
+
 # Loops with nothing read and no cut point (gradcheck runs the model once per perturbed element with
 # autograd on, then one backward pass per output element) were cut only at the op limit, at a different
 # op each time, so no graph repeated. At an outermost module return with autograd on and at the end of a
