@@ -135,6 +135,17 @@ def test_no_global_module_hooks():
     assert not model._forward_hooks and not model._forward_pre_hooks and not model._forward_hooks_always_called
 
 
+def _assert_each_call_ends_a_graph(cpu, dev):
+    x = torch.randn(3, 8)
+    with torch_pjrt.mode("fused"), torch.no_grad():
+        torch_pjrt.sync()
+        graphs = torch_pjrt.metrics()["graphs"]
+        outs = [dev(x.to("tpu")) for _ in range(3)]
+        assert torch_pjrt.metrics()["graphs"] - graphs >= 3  # one graph per call, without reading anything
+        for out in outs:
+            torch.testing.assert_close(out.cpu(), cpu(x), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("build", ["device_context", "device_argument"])
 def test_inference_cut_on_a_model_built_on_the_device(build):
     # Never moved, so no .to() put the cut on it: eval() on the outermost module does (not on its children).
@@ -150,14 +161,7 @@ def test_inference_cut_on_a_model_built_on_the_device(build):
     dev.load_state_dict(cpu.state_dict())
     dev.eval()
     assert len(dev._forward_hooks) == 1 and all(not m._forward_hooks for m in dev.children())
-    x = torch.randn(3, 8)
-    with torch_pjrt.mode("fused"), torch.no_grad():
-        torch_pjrt.sync()
-        graphs = torch_pjrt.metrics()["graphs"]
-        outs = [dev(x.to("tpu")) for _ in range(3)]
-        assert torch_pjrt.metrics()["graphs"] - graphs >= 3  # one graph per call, without reading anything
-        for out in outs:
-            torch.testing.assert_close(out.cpu(), cpu(x), rtol=1e-5, atol=1e-6)
+    _assert_each_call_ends_a_graph(cpu, dev)
     cpu.eval()
     assert not cpu._forward_hooks  # a CPU model's calls keep the fast path
 
@@ -165,14 +169,7 @@ def test_inference_cut_on_a_model_built_on_the_device(build):
 def test_inference_cut_still_ends_each_moved_module_call():
     torch.manual_seed(0)
     cpu, dev = cpu_and_device(_mlp)
-    x = torch.randn(3, 8)
-    with torch_pjrt.mode("fused"), torch.no_grad():
-        torch_pjrt.sync()
-        graphs = torch_pjrt.metrics()["graphs"]
-        outs = [dev(x.to("tpu")) for _ in range(3)]
-        assert torch_pjrt.metrics()["graphs"] - graphs >= 3  # one graph per call, without reading anything
-        for out in outs:
-            torch.testing.assert_close(out.cpu(), cpu(x), rtol=1e-5, atol=1e-6)
+    _assert_each_call_ends_a_graph(cpu, dev)
 
 
 # ---- Hugging Face models ----------------------------------------------------
