@@ -295,13 +295,20 @@ class Trainer:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path)
         set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=True)
+        extra = torch.load(self._rank_state_file(path), weights_only=True)
         self.step, self.micro_done = extra["step"], extra["micro_done"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["cpu_rng"])
         torch.tpu.set_rng_state(extra["tpu_rng"])
         torch.tpu.synchronize()
         return path
+
+    def _rank_state_file(self, path: str) -> str:
+        """This rank's trainer state on the mesh size that saved it (bitwise resume); on another world size rank
+        0's for every rank: the step, the data position and the schedule are global, and every rank seeded its
+        RNGs alike (the per-rank files differ only if a model draws random numbers differently per rank)."""
+        saved = sum(1 for f in os.listdir(path) if f.startswith("trainer_rank") and f.endswith(".pt"))
+        return os.path.join(path, f"trainer_rank{self.rank if saved == self.world_size else 0}.pt")
 
     # ---- export ---------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict:

@@ -2,7 +2,8 @@
 text set (torch_pjrt.train.textset, byte tokenizer) to a stated loss target on 1 process and on 4 processes
 (torchrun, HSDP: data=2 x fsdp=2, the same global batch), the 4-process loss curve equals the 1-process one within
 float32 noise, and runs resumed from a step-30 checkpoint continue the curve: bitwise on the same mesh, within
-float32 noise from the 4-process checkpoint resumed on 1 process; the resumed runs cross an epoch boundary.
+float32 noise from the 4-process checkpoint resumed on 1 process and from the 1-process one on 2 processes; the
+resumed runs cross an epoch boundary.
 test_train.py covers the rest (bitwise resume in a new process, fsdp=2 against 1 process, export, config).
 """
 import collections
@@ -104,3 +105,19 @@ def test_resume_on_text_continues_the_loss_curve(runs):
     resharded = _resume(d, args, d / "four_ckpt", "four_on_one")
     torch.testing.assert_close(torch.tensor([resharded[s] for s in after]), torch.tensor([four[s] for s in after]),
                                rtol=0, atol=FLOAT32_NOISE)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_resume_on_more_processes_than_saved(runs):
+    """Regression: the 1-process checkpoint resumed on 2 processes (DDP) once failed on rank 1's missing
+    trainer_rank1.pt; on another world size every rank takes rank 0's step, data position, schedule and RNGs."""
+    d, _, args, _, history, _ = runs
+    only = d / "one_on_two_ckpt"
+    shutil.copytree(d / "one_ckpt" / f"step_{RESUME_AT:08d}", only / f"step_{RESUME_AT:08d}")
+    out = _run_cli(args + ["mesh.data=2", f"log.dir={d}/one_on_two", f"checkpoint.dir={only}"], nproc=2)
+    assert f"steps {RESUME_AT + 1}..{STEPS}" in out, out
+    resumed = _losses(d / "one_on_two")
+    after = list(range(RESUME_AT + 1, STEPS + 1))
+    assert sorted(resumed) == after
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in after]),
+                               torch.tensor([history[s - 1]["loss"] for s in after]), rtol=0, atol=FLOAT32_NOISE)
