@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.modes_inside, pytest.mark.timeout(LAUNCH_TIMEOUT_S + 3
 # 1-process run reaches about 2.3 (docs/train.md, "Proof").
 LOSS_TARGET = 2.5
 STEPS, RESUME_AT, TEXT_LINES = 60, 30, 200  # 200 lines: 756 rows of 32 bytes, an epoch is 47 steps of 16 rows
-FLOAT32_NOISE = 1e-4  # the measured largest 4-process vs 1-process gap over the 60 steps is 1e-5
+FLOAT32_NOISE = 2e-4  # measured: the largest 4-process vs 1-process gap over the 60 steps is 2.3e-5
 
 ARGS = BASE + [f"steps={STEPS}", "data.global_batch=16", "optim.lr=1e-2", "optim.warmup_steps=2",
                f"checkpoint.every={RESUME_AT}"]
