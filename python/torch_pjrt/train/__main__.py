@@ -6,6 +6,7 @@ with the config and a JobSet) to OUT_DIR; --print-config prints the merged confi
 --describe prints the table of keys.
 """
 import argparse
+import json
 import sys
 
 import yaml
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     if trainer.rank == 0 and history:
         print(f"steps {history[0]['step']}..{history[-1]['step']}: loss {history[0]['loss']:.4f} -> "
               f"{history[-1]['loss']:.4f}, {history[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+        # time to the first step (compiles included), compiles, peak device and RSS bytes (max over ranks)
+        print("summary: " + json.dumps(trainer.summary), flush=True)
     return 0
 
 

@@ -29,7 +29,7 @@ def _choices(*names):
 
 @dataclass
 class ModelConfig:
-    name: str = field(default="llama-tiny", metadata={"doc": "a preset (llama-tiny, gpt2-tiny), a local HF config "
+    name: str = field(default="llama-tiny", metadata={"doc": "a preset (llama-tiny, gpt2-tiny, llama-1b), a local HF config "
                                                              "directory or config.json, or `module:callable` returning an nn.Module"})
     config: dict = field(default_factory=dict, metadata={"doc": "fields set on the HF config (num_hidden_layers, ...)"})
     activation_checkpointing: str = field(default="none", metadata={

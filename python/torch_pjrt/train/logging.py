@@ -30,7 +30,10 @@ def peak_tflops(device_kind: str, configured: float = 0.0) -> float | None:
 
 
 class MetricsLogger:
-    FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s")
+    # compiles, compile_s: this process's program compiles since the previous row; peak_mem_bytes: the tpu
+    # device's peak bytes allocated so far (torch.tpu.max_memory_allocated)
+    FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "compiles", "compile_s",
+              "peak_mem_bytes")
 
     def __init__(self, cfg, run_dir: str, total_steps: int, first_step: int, enabled: bool, config_dict: dict):
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled

@@ -31,6 +31,10 @@ PRESETS = {
     "llama-tiny": ("LlamaConfig", dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)),
     "gpt2-tiny": ("GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=256)),
+    # Llama 3.2 1B's shapes (1.24e9 parameters, tied embeddings), random init: benchmarks/bench_train.py --preset llama-1b
+    "llama-1b": ("LlamaConfig", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                     max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True)),
 }
 
 
@@ -54,6 +58,14 @@ def make_model(cfg) -> torch.nn.Module:
         raise ConfigError(f"config key 'model.name': {name!r} is no preset ({', '.join(PRESETS)}), local path "
                           f"or module:callable")
     return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _rss_peak_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _local_slice(full, dt):
@@ -89,6 +101,7 @@ class Trainer:
         self.resumed_from = self.load_checkpoint() if cfg.checkpoint.dir and cfg.checkpoint.resume else None
         self.loader = self.build_data()
         self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.summary: dict = {}  # after fit(): time to the first step, compiles, peak memory (max over ranks)
 
     # ---- building -------------------------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -194,22 +207,29 @@ class Trainer:
         logger = MetricsLogger(cfg.log, run_dir, cfg.steps, self.step, self.rank == 0, to_dict(cfg))
         peak = peak_tflops(torch.tpu.get_device_name(), cfg.log.peak_tflops)
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        start_metrics = last_metrics = torch_pjrt.metrics()
         t0, since = time.perf_counter(), self.step
+        fit_start, first_step_s = t0, None
         try:
             while self.step < end:
                 out = self.train_step()
                 if self.step % cfg.log.every == 0 or self.step == end:
                     loss = self._reduce_loss(out["loss"])
                     now = time.perf_counter()
+                    first_step_s = now - fit_start if first_step_s is None else first_step_s
                     dt = (now - t0) / (self.step - since)
                     tps = tokens_per_step / dt
                     norm = out["grad_norm"]
                     if norm is not None:
                         norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
                     mfu = None if peak is None else 6 * self.n_params * tps / (peak * 1e12 * self.world_size)
+                    m = torch_pjrt.metrics()  # this process's compiles since the last row
                     logger.log({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": norm,
-                                "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt})
-                    t0, since = now, self.step
+                                "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
+                                "compiles": m["compiles"] - last_metrics["compiles"],
+                                "compile_s": m["compile_seconds"] - last_metrics["compile_seconds"],
+                                "peak_mem_bytes": torch.tpu.max_memory_allocated()})
+                    t0, since, last_metrics = now, self.step, m
                 if cfg.checkpoint.dir and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
             if cfg.checkpoint.dir and (not cfg.checkpoint.every or self.step % cfg.checkpoint.every):
@@ -218,6 +238,17 @@ class Trainer:
                 self.export(cfg.checkpoint.export)
         finally:
             logger.close()
+        m = torch_pjrt.metrics()
+        # the slowest rank's compiles and memory (every rank calls this: the loop above ran on all of them)
+        worst = torch.tensor([m["compiles"] - start_metrics["compiles"], torch.tpu.max_memory_allocated(),
+                              _rss_peak_bytes()], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        compiles, peak_mem, rss = worst.tolist()
+        self.summary = {"first_step_s": first_step_s, "compiles": compiles,
+                        "compile_s": m["compile_seconds"] - start_metrics["compile_seconds"],
+                        "disk_cache_hits": m["disk_cache_hits"] - start_metrics["disk_cache_hits"],
+                        "peak_mem_bytes": peak_mem, "rss_peak_bytes": rss}
         return logger.history
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -264,13 +295,20 @@ class Trainer:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path)
         set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=True)
+        extra = torch.load(self._rank_state_file(path), weights_only=True)
         self.step, self.micro_done = extra["step"], extra["micro_done"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["cpu_rng"])
         torch.tpu.set_rng_state(extra["tpu_rng"])
         torch.tpu.synchronize()
         return path
+
+    def _rank_state_file(self, path: str) -> str:
+        """This rank's trainer state on the mesh size that saved it (bitwise resume); on another world size rank
+        0's for every rank: the step, the data position and the schedule are global, and every rank seeded its
+        RNGs alike (the per-rank files differ only if a model draws random numbers differently per rank)."""
+        saved = sum(1 for f in os.listdir(path) if f.startswith("trainer_rank") and f.endswith(".pt"))
+        return os.path.join(path, f"trainer_rank{self.rank if saved == self.world_size else 0}.pt")
 
     # ---- export ---------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict:
