@@ -58,6 +58,20 @@ if reference_cpu:
     attention.FlexAttention._compiled_flex_attn = torch.compile(flex.flex_attention, backend="aot_eager")
     attention._compiled_create_block_mask = torch.compile(flex.create_block_mask, backend="aot_eager")
 
+    # Gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses for torchtitan's gradient divide factor: the reference
+    # reduce-scatters with SUM and divides after (FSDP2's own fallback, force_sum_reduction_for_comms).
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    divide_factors = _fsdp_collectives._get_gradient_divide_factors
+
+    def _sum_then_divide(*a, **kw):
+        kw.pop("force_sum_reduction_for_comms", None)
+        if len(a) > 5:
+            a = a[:5]
+        return divide_factors(*a, force_sum_reduction_for_comms=True, **kw)
+
+    _fsdp_collectives._get_gradient_divide_factors = _sum_then_divide
+
 print(f"TITAN_DEVICE {titan_utils.device_type} torch_pjrt={'torch_pjrt' in sys.modules}", flush=True)
 
 
@@ -89,3 +103,14 @@ if os.environ.get("TITAN_F64_NORM"):
     dist_utils.clip_grad_norm_ = clip_grad_norm_
 sys.argv = ["torchtitan.train", *args]
 runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+
+if not reference_cpu:
+    import json
+
+    m = torch_pjrt.metrics()
+    print("TITAN_METRICS rank=%s %s" % (os.environ.get("RANK", "0"), json.dumps({
+        "routed_graphs": torch_pjrt._compile._routed_graphs[0],  # torch.compile (Inductor) graphs run by `tpu`
+        "cpu_fallbacks": m["cpu_fallbacks"],
+        "dist_collectives_staged": m["dist_collectives_staged"],
+        "compiled_replays": m["compiled_replays"],
+    }, default=str)), flush=True)
