@@ -113,9 +113,10 @@ def test_tensor_parallel_and_compile_equal_cpu(workdir):
     assert sorted(cpu) == list(range(1, STEPS + 1)), cpu
     want = [cpu[s] for s in sorted(cpu)]
 
-    tp, tp_norms, _, _ = titan(workdir, 2, *args, "--parallelism.tensor_parallel_degree", "2",
+    tp, tp_norms, _, tp_metrics = titan(workdir, 2, *args, "--parallelism.tensor_parallel_degree", "2",
                                "--parallelism.data_parallel_shard_degree", "1", "--dump-folder", "tpu_tp")
     assert [tp[s] for s in sorted(tp)] == pytest.approx(want, **LOSS_TOL), (tp, cpu)
+    assert tp_metrics["cpu_fallbacks"] == {} and tp_metrics["dist_collectives_staged"] > 0, tp_metrics
 
     compiled, norms, f64, metrics = titan(workdir, 1, *args, "--compile.enable", "--dump-folder", "tpu_compiled")
     assert [compiled[s] for s in sorted(compiled)] == pytest.approx(want, **LOSS_TOL), (compiled, cpu)
@@ -123,6 +124,7 @@ def test_tensor_parallel_and_compile_equal_cpu(workdir):
     assert [tp_norms[s] for s in sorted(tp_norms)] == pytest.approx(f64, rel=1e-5), (tp_norms, f64)
     # torchtitan compiles each block and the loss with the default (Inductor) backend: routed to `tpu`.
     assert metrics["routed_graphs"] > 2, metrics
+    assert metrics["cpu_fallbacks"] == {}, metrics
 
 
 def test_imports_without_triton_and_set_timeout():
