@@ -20,6 +20,11 @@ import types
 
 import torch
 
+def say(line):
+    """One write per line: the ranks share torchrun's stdout pipe (print may split a line in two writes)."""
+    os.write(1, (line + "\n").encode())
+
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 args = sys.argv[1:]
 reference_cpu = bool(args) and args[0] == "--reference-cpu"
@@ -72,14 +77,13 @@ if reference_cpu:
 
     _fsdp_collectives._get_gradient_divide_factors = _sum_then_divide
 
-print(f"TITAN_DEVICE {titan_utils.device_type} torch_pjrt={'torch_pjrt' in sys.modules}", flush=True)
+say(f"TITAN_DEVICE {titan_utils.device_type} torch_pjrt={'torch_pjrt' in sys.modules}")
 
 
 def _print_losses(log):
     def wrapper(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **kw):
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"TITAN_LOSS step={step} loss={float(global_avg_loss)!r} grad_norm={float(grad_norm)!r}",
-                  flush=True)
+            say(f"TITAN_LOSS step={step} loss={float(global_avg_loss)!r} grad_norm={float(grad_norm)!r}")
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **kw)
 
     return wrapper
@@ -97,7 +101,7 @@ if os.environ.get("TITAN_F64_NORM"):
         parameters = list(parameters)
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
         sq = sum(g.detach().to("cpu", torch.float64).square().sum() for g in local)
-        print(f"TITAN_F64_NORM_SQ rank={os.environ.get('RANK')} {float(sq)!r}", flush=True)
+        say(f"TITAN_F64_NORM_SQ rank={os.environ.get('RANK')} {float(sq)!r}")
         return clip(parameters, *a, **kw)
 
     dist_utils.clip_grad_norm_ = clip_grad_norm_
@@ -108,9 +112,9 @@ if not reference_cpu:
     import json
 
     m = torch_pjrt.metrics()
-    print("TITAN_METRICS rank=%s %s" % (os.environ.get("RANK", "0"), json.dumps({
+    say("TITAN_METRICS rank=%s %s" % (os.environ.get("RANK", "0"), json.dumps({
         "routed_graphs": torch_pjrt._compile._routed_graphs[0],  # torch.compile (Inductor) graphs run by `tpu`
         "cpu_fallbacks": m["cpu_fallbacks"],
         "dist_collectives_staged": m["dist_collectives_staged"],
         "compiled_replays": m["compiled_replays"],
-    }, default=str)), flush=True)
+    }, default=str)))
