@@ -25,13 +25,13 @@ import sys
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (make deps installs it)")
+LAUNCH_TIMEOUT = 300  # seconds per launch (each takes 10-60 s on a 2-core machine); a hang ends here
 pytestmark = [pytest.mark.modes_inside,  # each launch runs fused mode itself: once per `make test`
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(4 * LAUNCH_TIMEOUT + 60)]  # at most 3 launches and the fixture's seed launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "dist_scripts")
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
-LAUNCH_TIMEOUT = 300  # seconds per launch (each takes 10-60 s on an idle 2-core machine); a hang ends here
 STEPS = 4
 LOSS_TOL = dict(rel=1e-5, abs=1e-6)  # float32 noise; the runs measured agree to ~1e-7
 
