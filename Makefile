@@ -8,6 +8,11 @@ deps:
 	$(PY) -m pip install -q torch==2.13.0 xla-cpu-pjrt==0.0.1 numpy pytest pytest-timeout expecttest hypothesis transformers accelerate setuptools
 	# torch_pjrt.train: config, progress bar, logs, plot, W&B offline, HF datasets, Kubernetes manifest checks.
 	$(PY) -m pip install -q torch==2.13.0 pyyaml tqdm safetensors tensorboard matplotlib wandb datasets kubernetes
+	# torchtitan (tests/python/distributed/test_torchtitan.py, docs/torchtitan.md): --no-deps, its requirements pin
+	# no torch but would move datasets; what its Llama-3 path imports, beside torch==2.13.0 (datasets and tensorboard
+	# are above). The Triton it imports is replaced when absent (python/torch_pjrt/_torchtitan.py).
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
+	$(PY) -m pip install -q torch==2.13.0 tyro torchdata spmd_types==0.2.3 tokenizers
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
 	$(PY) -m pip install -q jax==0.10.2

@@ -162,6 +162,11 @@ struct OpRule {
   // (native_batch_norm's running stats). The lowering returns their new values
   // after the op's returns.
   std::vector<std::string> extra_writes;
+  // {argument, condition}: the op writes `argument` only when `condition` is given (not None), although its
+  // schema marks it written always: the fused optimizers' grads, divided in place only by a grad_scale. Left
+  // unwritten otherwise, so items that share a storage (FSDP2's gradients, views of one reduce-scatter
+  // output) need not run on the CPU; the lowering returns no value for it then (output_count() says).
+  std::vector<std::pair<std::string, std::string>> written_only_with;
   // `float` arguments passed as runtime operands (read with Context::scalar)
   // instead of keyed by value: a learning rate an LR scheduler changes.
   std::vector<std::string> runtime_floats;
@@ -249,6 +254,10 @@ class RuleRef {
   RuleRef& no_aliasing_with(std::vector<std::string> names) { r_.no_aliasing_with = std::move(names); return *this; }
   RuleRef& route(Route r) { r_.route = r; return *this; }
   RuleRef& skip_decomposition() { r_.skip_decomposition = true; return *this; }
+  RuleRef& written_only_with(std::string arg, std::string condition) {
+    r_.written_only_with.emplace_back(std::move(arg), std::move(condition));
+    return *this;
+  }
   OpRule& rule() { return r_; }
 
  private:

@@ -468,7 +468,8 @@ std::shared_ptr<CachedOp> plan(Call& call, const lowering::LoweringEntry& entry)
     if (!p.write) p.strides = meta.strides[i];
     cached->outputs.push_back(p);
   }
-  cached->outputs_empty = true;
+  // An op with no outputs at all (_assert_async) still runs: its runtime checks are its result.
+  cached->outputs_empty = !cached->outputs.empty();
   for (const OutputPlan& p : cached->outputs)
     if (!p.absent && c10::multiply_integers(p.dims) != 0) cached->outputs_empty = false;
   return cached;

@@ -227,9 +227,20 @@ bool add_written_items(Call& call, int arg, std::string* why) {
 
 }  // namespace
 
+// An argument the op's rule says it writes only under a condition the call does not meet (OpRule::written_only_with).
+bool unwritten_here(const Call& call, const SchemaFacts& facts, size_t i) {
+  if (!facts.rule) return false;
+  for (const auto& [arg, condition] : facts.rule->written_only_with) {
+    if (call.schema.arguments()[i].name() != arg) continue;
+    auto at = call.schema.argumentIndexWithName(condition);
+    return !at || is_absent(call.args[*at]);
+  }
+  return false;
+}
+
 bool collect_written(Call& call, const SchemaFacts& facts, std::string* why) {
   for (size_t i = 0; i < call.args.size(); ++i) {
-    if (!facts.writes[i] || is_absent(call.args[i])) continue;
+    if (!facts.writes[i] || is_absent(call.args[i]) || unwritten_here(call, facts, i)) continue;
     if (call.args[i].isTensorList()) {  // fused optimizers: one written entry per item
       if (!add_written_items(call, static_cast<int>(i), why)) return false;
       continue;

@@ -99,6 +99,8 @@ else:
     _distributed = None
 from . import _accelerate
 _accelerate.install()  # accelerate / the HF Trainer on tpu: data-parallel under torchrun and `accelerate launch`
+from . import _torchtitan
+_torchtitan.install()  # torchtitan imports without Triton (its CUDA expert-parallel kernels)
 
 
 def _print_from_host() -> None:

@@ -267,20 +267,28 @@ class _TpuDistBackend:
 
     # -- reductions --------------------------------------------------------------------------------
     def _reduce_op(self, name, opts, tensors, make_opts):
-        """Gloo's options for opts.reduceOp, and the divisor for AVG (Gloo has no AVG: SUM, then divide)."""
+        """Gloo's options for opts.reduceOp, the divisor for AVG (Gloo has no AVG: SUM, then divide) and the
+        factor of PREMUL_SUM (NCCL's: each rank's input times the factor, then SUM; FSDP2 uses it for a gradient
+        divide factor other than the group size), or None."""
         op = opts.reduceOp
-        if op == dist.ReduceOp.PREMUL_SUM:
-            raise ValueError(f"tpu_dist: {name} does not support ReduceOp.PREMUL_SUM")
-        divisor = None
-        if op == dist.ReduceOp.AVG:
+        divisor = factor = None
+        if op == dist.ReduceOp.AVG or op == dist.ReduceOp.PREMUL_SUM:  # not `in`: RedOpType == ReduceOp is False
+            what = "AVG" if op == dist.ReduceOp.AVG else "PREMUL_SUM"
             bad = [t.dtype for t in tensors if not (t.is_floating_point() or t.is_complex())]
             if bad:
-                raise TypeError(f"tpu_dist: {name} with ReduceOp.AVG needs floating tensors, got {bad[0]}")
-            op, divisor = dist.ReduceOp.SUM, self.size
+                raise TypeError(f"tpu_dist: {name} with ReduceOp.{what} needs floating tensors, got {bad[0]}")
+            if op == dist.ReduceOp.AVG:
+                divisor = self.size
+            else:
+                factor = op.factor  # a Python float, or a one-element tensor
+                if isinstance(factor, torch.Tensor) and factor.numel() != 1:
+                    raise ValueError(f"tpu_dist: {name} with ReduceOp.PREMUL_SUM needs a scalar factor, got a "
+                                     f"tensor of shape {tuple(factor.shape)}")
+            op = dist.ReduceOp.SUM
         gloo_opts = make_opts()
         gloo_opts.reduceOp = op
         gloo_opts.timeout = opts.timeout
-        return gloo_opts, divisor
+        return gloo_opts, divisor, factor
 
     @staticmethod
     def _divide(hosts, divisor):
@@ -288,70 +296,102 @@ class _TpuDistBackend:
             for h in hosts:
                 h.div_(divisor)
 
+    @staticmethod
+    def _premul(hosts, factor, in_place):
+        """PREMUL_SUM's scaling of this rank's host inputs before the SUM: in place for buffers that are written
+        back anyway (all_reduce, reduce), else new tensors (a reduce-scatter's input is the user's, unchanged)."""
+        if factor is None:
+            return hosts
+        if isinstance(factor, torch.Tensor):
+            factor = factor.detach().to("cpu")
+        if in_place:
+            for h in hosts:
+                h.mul_(factor)
+            return hosts
+        return [h * factor for h in hosts]
+
+    @staticmethod
+    def _scale_local(tensors, factor):
+        """A one-rank group's PREMUL_SUM: the sum of one input is the input times the factor (on the device)."""
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor.to(t.device) if isinstance(factor, torch.Tensor) else factor)
+
     def allreduce(self, tensors, opts):
-        gloo_opts, divisor = self._reduce_op("all_reduce", opts, tensors, dist.AllreduceOptions)
+        gloo_opts, divisor, factor = self._reduce_op("all_reduce", opts, tensors, dist.AllreduceOptions)
 
         def run(s):
-            hosts = [s.write(t, read=True) for t in tensors]
+            hosts = self._premul([s.write(t, read=True) for t in tensors], factor, in_place=True)
             work = self._gloo.allreduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._run("all_reduce", tensors, run, tensors, local=lambda: None)
+        return self._run("all_reduce", tensors, run, tensors, local=lambda: self._scale_local(tensors, factor))
 
     def allreduce_coalesced(self, tensors, opts):
-        gloo_opts, divisor = self._reduce_op("all_reduce_coalesced", opts, tensors, dist.AllreduceCoalescedOptions)
+        gloo_opts, divisor, factor = self._reduce_op("all_reduce_coalesced", opts, tensors,
+                                                     dist.AllreduceCoalescedOptions)
 
         def run(s):
-            hosts = [s.write(t, read=True) for t in tensors]
+            hosts = self._premul([s.write(t, read=True) for t in tensors], factor, in_place=True)
             work = self._gloo.allreduce_coalesced(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor))
 
-        return self._run("all_reduce_coalesced", tensors, run, tensors, local=lambda: None)
+        return self._run("all_reduce_coalesced", tensors, run, tensors,
+                         local=lambda: self._scale_local(tensors, factor))
 
     def reduce(self, tensors, opts):
-        gloo_opts, divisor = self._reduce_op("reduce", opts, tensors, dist.ReduceOptions)
+        gloo_opts, divisor, factor = self._reduce_op("reduce", opts, tensors, dist.ReduceOptions)
         gloo_opts.rootRank, gloo_opts.rootTensor = opts.rootRank, opts.rootTensor
         is_root = self.rank == opts.rootRank
 
         def run(s):
             # Written back on every rank: Gloo may use a non-root's buffer as scratch, as on the CPU.
-            hosts = [s.write(t, read=True) for t in tensors]
+            hosts = self._premul([s.write(t, read=True) for t in tensors], factor, in_place=True)
             work = self._gloo.reduce(hosts, gloo_opts)
             return _Then(work, lambda: self._divide(hosts, divisor) if is_root else None)
 
-        return self._run("reduce", tensors, run, tensors, local=lambda: None)
+        return self._run("reduce", tensors, run, tensors, local=lambda: self._scale_local(tensors, factor))
 
     def _reduce_scatter_base(self, output, input, opts):
-        gloo_opts, divisor = self._reduce_op("reduce_scatter_tensor", opts, [input], dist.ReduceScatterOptions)
+        gloo_opts, divisor, factor = self._reduce_op("reduce_scatter_tensor", opts, [input],
+                                                     dist.ReduceScatterOptions)
 
         def run(s):
             out = s.write(output)
-            work = self._gloo._reduce_scatter_base(out, s.read(input), gloo_opts)
+            work = self._gloo._reduce_scatter_base(out, self._premul([s.read(input)], factor, False)[0], gloo_opts)
             return _Then(work, lambda: self._divide([out], divisor))
 
-        return self._run("reduce_scatter_tensor", [output, input], run, output,
-                         local=lambda: _copy(output, input))
+        def local():
+            _copy(output, input)
+            self._scale_local([output], factor)
+
+        return self._run("reduce_scatter_tensor", [output, input], run, output, local=local)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         flat_inputs = [t for ts in input_lists for t in ts]
-        gloo_opts, divisor = self._reduce_op("reduce_scatter", opts, flat_inputs, dist.ReduceScatterOptions)
+        gloo_opts, divisor, factor = self._reduce_op("reduce_scatter", opts, flat_inputs, dist.ReduceScatterOptions)
 
         def run(s):
             outs = [s.write(t) for t in outputs]
-            work = self._gloo.reduce_scatter(outs, [[s.read(t) for t in ts] for ts in input_lists], gloo_opts)
+            ins = [self._premul([s.read(t) for t in ts], factor, False) for ts in input_lists]
+            work = self._gloo.reduce_scatter(outs, ins, gloo_opts)
             return _Then(work, lambda: self._divide(outs, divisor))
 
-        return self._run("reduce_scatter", outputs + flat_inputs, run, outputs,
-                         local=lambda: _copy_each(outputs, [_only(ts) for ts in input_lists]))
+        def local():
+            _copy_each(outputs, [_only(ts) for ts in input_lists])
+            self._scale_local(outputs, factor)
+
+        return self._run("reduce_scatter", outputs + flat_inputs, run, outputs, local=local)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         # One Gloo reduce_scatter_tensor of one host buffer: row r holds every input's r-th chunk.
-        gloo_opts, divisor = self._reduce_op("reduce_scatter_tensor_coalesced", opts, inputs,
-                                             dist.ReduceScatterOptions)
+        gloo_opts, divisor, factor = self._reduce_op("reduce_scatter_tensor_coalesced", opts, inputs,
+                                                     dist.ReduceScatterOptions)
         sizes = [t.numel() for t in outputs]
 
         def run(s):
             flat_in = torch.cat([s.read(t).reshape(self.size, n) for t, n in zip(inputs, sizes)], dim=1)
+            self._premul([flat_in], factor, in_place=True)  # a new tensor
             flat_out = torch.empty(sum(sizes), dtype=outputs[0].dtype)
             outs = [s.write(t) for t in outputs]
             work = self._gloo._reduce_scatter_base(flat_out, flat_in.reshape(-1), gloo_opts)
@@ -363,8 +403,11 @@ class _TpuDistBackend:
 
             return _Then(work, unpack)
 
-        return self._run("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs,
-                         local=lambda: _copy_each(outputs, inputs))
+        def local():
+            _copy_each(outputs, inputs)
+            self._scale_local(outputs, factor)
+
+        return self._run("reduce_scatter_tensor_coalesced", outputs + inputs, run, outputs, local=local)
 
     # -- data movement -----------------------------------------------------------------------------
     def broadcast(self, tensors, opts):

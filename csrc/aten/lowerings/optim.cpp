@@ -130,9 +130,14 @@ std::vector<Value> lower_fused_adam(Context& c) {
     new_avgs.push_back(m);
     new_sqs.push_back(v);
   }
+  // The in-place form writes grads only with a grad_scale (written_only_with): then, and in the functional
+  // form, which returns them, the meta outputs count them.
+  bool with_grads = c.output_count() > 3 * n + max_sqs.size();
   std::vector<Value> old, out;
-  for (auto* list : {&params, &grads, &exp_avgs, &exp_avg_sqs}) old.insert(old.end(), list->begin(), list->end());
-  for (auto* list : {&new_params, &new_grads, &new_avgs, &new_sqs}) out.insert(out.end(), list->begin(), list->end());
+  for (auto* list : {&params, &grads, &exp_avgs, &exp_avg_sqs})
+    if (list != &grads || with_grads) old.insert(old.end(), list->begin(), list->end());
+  for (auto* list : {&new_params, &new_grads, &new_avgs, &new_sqs})
+    if (list != &new_grads || with_grads) out.insert(out.end(), list->begin(), list->end());
   if (amsgrad) {
     old.insert(old.end(), max_sqs.begin(), max_sqs.end());
     out.insert(out.end(), new_max.begin(), new_max.end());
@@ -174,10 +179,13 @@ std::vector<Value> lower_fused_sgd(Context& c) {
     new_params.push_back(b.binary("subtract", p, b.binary("multiply", splat(b, lr, g), g)));
   }
   if (!use_momentum) new_bufs = bufs;  // written but unused: unchanged
+  bool with_grads = c.output_count() > params.size() + bufs.size();  // as in lower_fused_adam
   std::vector<Value> old = params, out = new_params;
-  old.insert(old.end(), grads.begin(), grads.end());
+  if (with_grads) {
+    old.insert(old.end(), grads.begin(), grads.end());
+    out.insert(out.end(), new_grads.begin(), new_grads.end());
+  }
   old.insert(old.end(), bufs.begin(), bufs.end());
-  out.insert(out.end(), new_grads.begin(), new_grads.end());
   out.insert(out.end(), new_bufs.begin(), new_bufs.end());
   keep_if_skipped(b, amp, old, out);
   return out;
@@ -186,9 +194,10 @@ std::vector<Value> lower_fused_sgd(Context& c) {
 }  // namespace
 
 void register_optim(Table& t) {
-  add_lowering(t, "_fused_adam", lower_fused_adam<false>, false, {}, {"lr"});
-  add_lowering(t, "_fused_adamw", lower_fused_adam<true>, false, {}, {"lr"});
-  add_lowering(t, "_fused_sgd", lower_fused_sgd, false, {}, {"lr"});
+  // The CPU kernels write grads back only when they unscale them.
+  add_lowering(t, "_fused_adam", lower_fused_adam<false>, false, {}, {"lr"}).written_only_with("grads", "grad_scale");
+  add_lowering(t, "_fused_adamw", lower_fused_adam<true>, false, {}, {"lr"}).written_only_with("grads", "grad_scale");
+  add_lowering(t, "_fused_sgd", lower_fused_sgd, false, {}, {"lr"}).written_only_with("grads", "grad_scale");
 }
 
 }  // namespace torch_pjrt::lowering

@@ -596,7 +596,30 @@ std::vector<Value> lower_elu(Context& c) {
 
 }  // namespace
 
+// torch._assert_async(x[, msg]): the CPU raises when x's one value is zero (false), at once; here a runtime
+// check, raised at the next wait with the same message, so an async assert (torchtitan's RoPE position bound)
+// neither waits nor cuts the graph. Not one value: the CPU's "ambiguous" errors (it runs there).
+std::vector<Value> lower_assert_async(Context& c) {
+  Value x = c.tensor("self");
+  if (x.type.element_count() != 1) throw Unsupported("_assert_async of a tensor without exactly one value");
+  std::string message = "Expected Tensor with single nonzero value, but got zero";
+  if (c.has("assert_msg")) {
+    message = c.string_arg("assert_msg");
+    // A check's message fills in "{}" and "{size}"; the user's text must stay as written.
+    if (message.find("{}") != std::string::npos || message.find("{size}") != std::string::npos)
+      throw Unsupported("_assert_async with '{}' in its message");
+  }
+  Builder& b = c.b;
+  Value v = b.reshape(x, {});
+  ElementType e = v.element();
+  Value ok = e == ElementType::Pred ? v
+             : b.compare(v, is_float(e) ? b.constant(0, e) : b.constant_int(0, e), hlo::Compare::NE);  // NaN: nonzero
+  c.check(RuntimeCheck{ok, b.constant_int(0, ElementType::S64), CheckError::Runtime, message});
+  return {};
+}
+
 void register_pointwise(Table& t) {
+  add_lowering(t, "_assert_async", lower_assert_async);
   // kElementwise: the ops generation applies to its growing bookkeeping (a mask's `.bool()`, `masked_fill_`,
   // comparisons): no runtime checks (integer division has one), no use of the shape.
   add_lowerings(t, {

@@ -185,3 +185,42 @@ def test_functional_fused_adamw(amsgrad):
     for e_list, a_list in zip(expected, actual):
         for e, a in zip(e_list, a_list):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_step_with_grads_sharing_one_storage(op, scaled):
+    """Gradients that are views of one flat buffer (FSDP2's reduce-scatter output): without a grad_scale the fused
+    kernels do not write grads, so the step stays on the device; with one (they unscale grads in place) it runs
+    on the CPU. Parameters, state and grads equal the CPU's either way."""
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 4)]
+    params = [torch.randn(s) for s in shapes]
+    flat = torch.randn(sum(torch.Size(s).numel() for s in shapes))
+
+    def step(device):
+        ps = [p.clone().to(device) for p in params]
+        g = flat.clone().to(device)
+        grads = [v.view(s) for v, s in zip(g.split([torch.Size(s).numel() for s in shapes]), shapes)]
+        kw = dict(grad_scale=torch.tensor(4.0, device=device), found_inf=torch.tensor(0.0, device=device)) \
+            if scaled else {}
+        steps = [torch.tensor(3.0, device=device) for _ in ps]
+        if op == "sgd":
+            bufs = [torch.ones_like(p) for p in ps]
+            torch._fused_sgd_(ps, grads, bufs, weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=False, **kw)
+            state = bufs
+        else:
+            avgs, sqs = [torch.full_like(p, 0.1) for p in ps], [torch.full_like(p, 0.2) for p in ps]
+            fn = torch._fused_adamw_ if op == "adamw" else torch._fused_adam_
+            fn(ps, grads, avgs, sqs, [], steps, lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
+               amsgrad=False, maximize=False, **kw)
+            state = avgs + sqs
+        return [t.cpu() for t in ps + state + [g]]
+
+    name = f"aten::_fused_{op}_"
+    before = torch_pjrt.metrics()["cpu_fallbacks"].get(name, 0)
+    got, want = step("tpu"), step("cpu")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch_pjrt.metrics()["cpu_fallbacks"].get(name, 0) - before == (1 if scaled else 0)

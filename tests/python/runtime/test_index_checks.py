@@ -277,3 +277,27 @@ def test_constant_indices_do_not_fail_their_check(mode):
         torch.testing.assert_close(r.cpu(), torch.arange(6.0).reshape(2, 3)[[0]])
         assert s.cpu().shape == (1, 2, 3)
         torch.testing.assert_close(q.cpu(), torch.arange(6) // 2)
+
+
+@pytest.mark.parametrize("msg", [None, "position_ids exceed max_valid_pos=3"])
+def test_assert_async_raises_cpus_message_at_next_wait(mode, msg):
+    """torch._assert_async on tpu is a runtime check (torchtitan's RoPE bound): no wait, no CPU fallback, the
+    CPU's message at the next wait when the one value is zero; true, nonzero and NaN values pass, as on the CPU."""
+    before = torch_pjrt.metrics()["cpu_fallbacks"].get("aten::_assert_async.msg", 0)
+    x = torch.arange(5, device=DEVICE)
+    args = (msg,) if msg else ()
+    torch._assert_async(torch.all(x <= 4), *args)
+    torch._assert_async(torch.tensor(2.5, device=DEVICE), *args)
+    torch._assert_async(torch.tensor(float("nan"), device=DEVICE), *args)
+    assert (x * 2).sum().item() == 20
+    want = msg or "Expected Tensor with single nonzero value, but got zero"
+    with pytest.raises(RuntimeError) as cpu:
+        torch._assert_async(torch.all(torch.arange(5) <= 3), *args)
+    assert str(cpu.value) == want
+    with pytest.raises(RuntimeError, match=want) as err:
+        torch._assert_async(torch.all(x <= 3), *args)  # assert_async fails here
+        torch.tpu.synchronize()
+    assert "_assert_async" in str(err.value) and _line_of("# assert_async fails here") in str(err.value)
+    assert torch_pjrt.metrics()["cpu_fallbacks"].get("aten::_assert_async.msg", 0) == before
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):  # as the CPU, at the op
+        torch._assert_async(torch.ones(2, device=DEVICE), *args)

@@ -221,6 +221,23 @@ for dtype in (torch.float32, torch.bfloat16):
     dist.reduce_scatter_tensor(out_ref, ref, group=gloo)
     check(f"reduce_scatter_tensor avg {dtype}", out, out_ref / world)
 
+# PREMUL_SUM (NCCL's; FSDP2's gradient divide factor): each rank's input times the factor, then SUM. Gloo has
+# none: the reference scales the CPU copy, then sums. The factor: a float or a one-element tensor.
+for factor in (0.25, torch.tensor([1 / 3])):
+    tag = "tensor factor" if isinstance(factor, torch.Tensor) else "float factor"
+    f_dev = factor.to("tpu") if isinstance(factor, torch.Tensor) else factor
+    x, ref = both(lambda: data((5,), torch.float32, 42))
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(f_dev))
+    ref.mul_(factor)
+    dist.all_reduce(ref, group=gloo)
+    check(f"all_reduce premul_sum {tag}", x, ref)
+    x, ref = both(lambda: data((world * 2,), torch.float32, 43))
+    out, out_ref = torch.zeros(2, device="tpu"), torch.zeros(2)
+    dist.reduce_scatter_tensor(out, x, op=dist._make_nccl_premul_sum(f_dev))
+    dist.reduce_scatter_tensor(out_ref, ref * factor, group=gloo)
+    check(f"reduce_scatter_tensor premul_sum {tag}", out, out_ref)
+    check(f"reduce_scatter_tensor premul_sum keeps its input {tag}", x, ref)
+
 try:
     dist.all_reduce(torch.ones(2, dtype=torch.int64, device="tpu"), op=dist.ReduceOp.AVG)
     failures.append("integer AVG did not raise")
