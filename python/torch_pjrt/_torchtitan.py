@@ -68,7 +68,7 @@ class _PlaceholderLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__doc__ = ("Placeholder from torch_pjrt._torchtitan: Triton is not installed, so torchtitan's "
                           "MinimalAsyncEP Triton kernels are unavailable (calling one raises).")
-        module.TORCH_PJRT_PLACEHOLDER = True
+        module.__torch_pjrt_placeholder__ = True
         for name in _KERNEL_NAMES:
             setattr(module, name, _unavailable(name))
 

@@ -138,7 +138,7 @@ import torch.distributed as dist
 assert callable(dist.set_timeout)
 if importlib.util.find_spec("triton") is None:
     from torchtitan.distributed.minimal_async_ep import kernels
-    assert kernels.TORCH_PJRT_PLACEHOLDER
+    assert kernels.__torch_pjrt_placeholder__
     try:
         kernels.copy_rows_to_peers_kernel()
     except RuntimeError as e:
