@@ -74,6 +74,25 @@ def _local_slice(full, dt):
     return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, also for a model whose parameters are partly DTensors (tensor-parallel rules
+    on some weights, the rest plain), which it refuses ("mixed torch.Tensor and DTensor"): the two groups' norms
+    are taken apart and combined, and every gradient is scaled through its local tensor (scaling commutes with
+    any placement)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    if not sharded or not plain:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [torch.nn.utils.get_total_norm(plain), torch.nn.utils.get_total_norm(sharded).full_tensor()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(plain + [g.to_local() for g in sharded], coef)
+    return total
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -148,9 +167,15 @@ class Trainer:
     def build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # Tensor-parallel rules on some weights leave the rest plain tensors: the foreach kernels refuse a mix
+        # of DTensors and tensors, so such a model steps parameter by parameter (None: PyTorch's default).
+        from torch.distributed.tensor import DTensor
+        mixed = len({isinstance(p, DTensor) for p in params}) > 1
+        foreach = False if mixed else None
         if o.name == "sgd":
-            return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, foreach=foreach)
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                 foreach=foreach)
 
     def build_scheduler(self):
         o, total = self.cfg.optim, self.cfg.steps
@@ -185,7 +210,7 @@ class Trainer:
             self.micro_done += 1
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

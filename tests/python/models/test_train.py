@@ -168,13 +168,20 @@ def test_export_loads_in_cpu_transformers(straight):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-# ---- two processes, fsdp=2 -------------------------------------------------------------------------------
+# ---- two processes: fsdp=2, or tensor=2 with rules on some weights ------------------------------------------
+# Tensor rules on the attention projections only leave the other parameters plain tensors: clipping and the
+# optimizer step then see DTensors and tensors together (PyTorch's foreach kernels refuse the mix).
+PARTIAL_TENSOR_RULES = ['mesh.rules={"*.q_proj.weight": colwise, "*.k_proj.weight": colwise, '
+                        '"*.v_proj.weight": colwise, "*.o_proj.weight": rowwise}']
+
+
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
-def test_fsdp2_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2"], ["mesh.tensor=2"] + PARTIAL_TENSOR_RULES], ids=["fsdp", "tensor"])
+def test_two_processes_match_one_process(tmp_path, mesh):
     # SGD: its update is linear in the gradient, so the two runs' float32 summation-order noise stays that
     # small (AdamW turns noise on a near-zero gradient element into an lr-sized step)
     args = BASE + ["steps=4", "optim.grad_clip=1.0", "optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9"]
-    _run_cli(args + ["mesh.fsdp=2", f"log.dir={tmp_path}/two", f"checkpoint.export={tmp_path}/two_hf"], nproc=2)
+    _run_cli(args + mesh + [f"log.dir={tmp_path}/two", f"checkpoint.export={tmp_path}/two_hf"], nproc=2)
     one = Trainer(load_config(None, args + [f"log.dir={tmp_path}/one", f"checkpoint.export={tmp_path}/one_hf"]))
     one.fit()
     two_losses, one_losses = _losses(tmp_path / "two"), _losses(tmp_path / "one")
