@@ -335,46 +335,31 @@ def _script(obj, *args, **kwargs):
 torch.jit.script = _script
 
 
-_applying = threading.local()  # depth of nested Module._apply calls: children are applied inside their parent's
-_module_apply = torch.nn.Module._apply
+def _updating_cut_hooks_after(method):
+    """`method` of nn.Module, then the cut hooks updated on the outermost module it was called on (the one the
+    user calls): nested calls on its children (a per-thread depth per method) leave theirs alone."""
+    calls = threading.local()
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        depth = getattr(calls, "depth", 0)
+        calls.depth = depth + 1
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            calls.depth = depth
+        if depth == 0 and isinstance(self, torch.nn.Module):
+            _update_cut_hooks(self)
+        return result
+
+    return wrapper
 
 
-def _apply(self, fn, *args, **kwargs):
-    depth = getattr(_applying, "depth", 0)
-    _applying.depth = depth + 1
-    try:
-        result = _module_apply(self, fn, *args, **kwargs)
-    finally:
-        _applying.depth = depth
-    if depth == 0 and isinstance(self, torch.nn.Module):
-        _update_cut_hooks(self)  # the outermost module moved: the one the user calls
-    return result
-
-
-_apply.__wrapped__ = _module_apply
-torch.nn.Module._apply = _apply
-
-# A model built on the device (`with torch.device("tpu"):`, `Model(device="tpu")`) is never moved, so no
-# `_apply` puts the cut on it; `eval()` / `train()` on the outermost module does (HF's from_pretrained and
-# every evaluation loop call it on the model the user calls).
-_training_calls = threading.local()  # depth of nested Module.train calls: children are set inside their parent's
-_module_train = torch.nn.Module.train
-
-
-def _train(self, mode=True):
-    depth = getattr(_training_calls, "depth", 0)
-    _training_calls.depth = depth + 1
-    try:
-        result = _module_train(self, mode)
-    finally:
-        _training_calls.depth = depth
-    if depth == 0 and isinstance(self, torch.nn.Module):
-        _update_cut_hooks(self)
-    return result
-
-
-_train.__wrapped__ = _module_train
-torch.nn.Module.train = _train
+# Moved (`.to("tpu")`, `.tpu()`, `.to_empty()`, `.half()`: every `_apply`), or, for a model built on the device
+# (`with torch.device("tpu"):`, `Model(device="tpu")`) that is never moved, `eval()` / `train()` (HF's
+# from_pretrained and every evaluation loop call it on the model the user calls).
+torch.nn.Module._apply = _updating_cut_hooks_after(torch.nn.Module._apply)
+torch.nn.Module.train = _updating_cut_hooks_after(torch.nn.Module.train)
 
 # Loops with nothing read and no cut point (gradcheck runs the model once per perturbed element with
 # autograd on, then one backward pass per output element) were cut only at the op limit, at a different
