@@ -107,6 +107,10 @@ class DeviceContext {
   std::atomic<uint64_t> programs{0};
   uint64_t failed_program = 0;
   std::vector<HostUndo> host_undos;  // under checks_mutex
+  // Chained statuses (runtime_checks.h): set once a program with checks ran;
+  // a passed status on this device, made when first chained.
+  std::atomic<bool> checks_seen{false};
+  pjrt::BufferPtr passed_status;  // under checks_mutex
 
  private:
   std::mutex work_mutex_;

@@ -99,6 +99,8 @@ struct CompiledGraph {
   // Runtime checks of all ops, one status after the live outputs (null: none).
   CheckInfos checks;
   std::vector<size_t> checked_ops;  // graph op index per CheckInfo::op
+  // Takes the device's newest unread status as its last parameter (runtime_checks.h).
+  bool chained = false;
 };
 
 namespace {
@@ -396,16 +398,13 @@ graph::Effort graph_effort(const PendingGraph& g, const lowering::Builder& b, co
   return largest <= kQuickElements ? graph::Effort::Quick : graph::Effort::Full;
 }
 
-// A graph whose checks fail writes nothing: each result that replaces a
-// value the graph read is selected on all checks passing, so parameters and
-// optimizer state updated after a bad index keep their values
-// (runtime_checks.h). In an update XLA fuses the select into the loop that
-// already reads the old value.
-void keep_values_on_failed_check(const PendingGraph& g, lowering::Builder& b,
-                                 const std::vector<lowering::RuntimeCheck>& checks, const GraphValues& values,
+// A graph whose checks fail, or that chains an earlier failure, writes
+// nothing: each result that replaces a value the graph read is selected on
+// `ok`, so parameters and optimizer state updated after a bad index keep
+// their values (runtime_checks.h). In an update XLA fuses the select into the
+// loop that already reads the old value.
+void keep_values_on_failed_check(const PendingGraph& g, lowering::Builder& b, Value ok, const GraphValues& values,
                                  const std::vector<int>& live, std::vector<Value>& outputs) {
-  Value ok = checks.front().ok;
-  for (size_t k = 1; k < checks.size(); ++k) ok = b.binary("and", ok, checks[k].ok);
   for (size_t k = 0; k < live.size(); ++k) {
     auto old = values.originals.find(&storage_state(g.storages[live[k]]));
     if (old == values.originals.end() || old->second.type != outputs[k].type) continue;
@@ -413,8 +412,15 @@ void keep_values_on_failed_check(const PendingGraph& g, lowering::Builder& b,
   }
 }
 
+// Whether the program of `g` chains its device's statuses (runtime_checks.h).
+bool chains(const PendingGraph& g) {
+  return keep_values_on_failed_checks() && (g.has_checks || chains_statuses(g.device));
+}
+
+// `chained`: the program's last parameter is an earlier program's status (chained_status).
 std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<int>& live,
-                                             const std::map<int, int>& donated, std::string* text = nullptr) {
+                                             const std::map<int, int>& donated, bool chained,
+                                             std::string* text = nullptr) {
   auto start = std::chrono::steady_clock::now();
   lowering::Builder b;
   GraphValues values;
@@ -427,10 +433,19 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   std::vector<Value> outputs;
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
+  compiled->chained = chained;
+  b.set_location({"torch_pjrt::runtime_checks", "", 0});
+  std::optional<Value> earlier_ok;
+  if (chained) {
+    Value earlier = b.parameter(lowering::TensorType{ElementType::S64, {3}});
+    Value index = b.reshape(b.slice(earlier, {0}, {1}, {1}), {});
+    earlier_ok = b.compare(index, b.constant_int(-1, ElementType::S64), hlo::Compare::EQ);
+  }
+  std::optional<Value> ok = earlier_ok;
+  for (const lowering::RuntimeCheck& c : checks.checks) ok = ok ? b.binary("and", *ok, c.ok) : c.ok;
+  if (ok && keep_values_on_failed_checks()) keep_values_on_failed_check(g, b, *ok, values, live, outputs);
   if (!checks.checks.empty()) {
-    b.set_location({"torch_pjrt::runtime_checks", "", 0});
-    if (keep_values_on_failed_checks()) keep_values_on_failed_check(g, b, checks.checks, values, live, outputs);
-    outputs.push_back(lowering::check_status(b, checks.checks));
+    outputs.push_back(lowering::check_status(b, checks.checks, earlier_ok));
     compiled->checks = std::make_shared<const std::vector<CheckInfo>>(std::move(checks.infos));
     compiled->checked_ops = std::move(checks.ops);
   }
@@ -718,13 +733,25 @@ uint64_t oldest_born(const PendingGraph& g, const std::vector<int>& ids) {
   return oldest;
 }
 
+// The results among `live` that the graph writes without reading the
+// storage first (a zero_, a whole copy_): a chained program cannot keep
+// their old values itself.
+std::vector<int> unread_rewrites(const PendingGraph& g, const std::vector<int>& live) {
+  std::vector<int> unread;
+  for (int id : live)
+    if (std::find(g.operand_storage.begin(), g.operand_storage.end(), id) == g.operand_storage.end())
+      unread.push_back(id);
+  return unread;
+}
+
 // After a failed check whose error is unread, the graph's results that
 // replace older values are left out: those storages keep their buffers
 // (runtime_checks.h). Reads the unread statuses first only when the graph
-// writes such a storage.
-void keep_values_after_failed_check(const PendingGraph& g, std::vector<int>& live) {
+// writes such a storage and does not chain them (a chained program keeps the
+// values it reads itself; the host knows a failure only once it read it).
+void keep_values_after_failed_check(const PendingGraph& g, std::vector<int>& live, bool chained) {
   if (!checks_unread(g.device)) return;
-  uint64_t before = writes_dropped_before(g.device, oldest_born(g, live));
+  uint64_t before = writes_dropped_before(g.device, oldest_born(g, chained ? unread_rewrites(g, live) : live));
   if (!before) return;
   std::lock_guard<std::mutex> lock(storage_mutex());
   live.erase(std::remove_if(live.begin(), live.end(), [&](int id) {
@@ -734,10 +761,12 @@ void keep_values_after_failed_check(const PendingGraph& g, std::vector<int>& liv
 }
 
 // The compiled-graph cache's key of `g` run with these results and donations.
-std::string program_key(const PendingGraph& g, const std::vector<int>& live, const std::map<int, int>& donated) {
+std::string program_key(const PendingGraph& g, const std::vector<int>& live, const std::map<int, int>& donated,
+                        bool chained) {
   std::string key = g.key + "|live:";
   for (int id : live) key += std::to_string(id) + ",";
   if (!keep_values_on_failed_checks()) key += "|unkept";  // a program without the selects (benchmarks)
+  if (chained) key += "|chained";
   key += "|donate:";
   for (auto [operand, output] : donated) key += std::to_string(operand) + ">" + std::to_string(output) + ",";
   return key;
@@ -747,9 +776,10 @@ void run_graph(PendingGraph& g) {
   if (g.ops.empty()) return;
   check_not_capturing(g, g.device);
   std::vector<int> live = graph_results(g);
-  keep_values_after_failed_check(g, live);
+  const bool chained = chains(g);
+  keep_values_after_failed_check(g, live, chained);
   std::map<int, int> donated = donations(g, live);
-  std::string key = program_key(g, live, donated);
+  std::string key = program_key(g, live, donated, chained);
   size_t op_count = g.ops.size();
   DeviceContext& ctx = device_context(g.device);
   // Set by a successful run; tracked after the try: tracking may raise an
@@ -769,12 +799,14 @@ void run_graph(PendingGraph& g) {
     } else {
       explain_recompile(g);
       ProfileScope profile([&] { return graph_profile(g, "compile"); });
-      compiled = compile_graph(g, live, donated);
+      compiled = compile_graph(g, live, donated, chained);
       std::lock_guard<std::mutex> lock(ctx.graph_cache_mutex);
       ctx.graph_cache.emplace(std::move(key), compiled);
     }
     std::vector<pjrt::Buffer*> buffers;
     for (const auto& b : g.operands) buffers.push_back(b.get());
+    pjrt::BufferPtr earlier_status = compiled->chained ? chained_status(g.device) : nullptr;
+    if (earlier_status) buffers.push_back(earlier_status.get());
     // The first run of a new graph (new shapes: the likeliest to run out of
     // memory) waits for completion while every input buffer is still held, so
     // a failure the plugin reports asynchronously is still undone here.
@@ -982,6 +1014,7 @@ struct ReplayPlan {
   std::vector<int64_t> operand_rng;             // per parameter: numbers a random op draws (a fresh state), or -1
   std::vector<std::pair<ElementType, std::vector<int64_t>>> operand_types;  // the program's parameter types
   std::vector<int> live_input;                  // per live result: the input storage it overwrites, or -1
+  std::vector<char> live_read;                  // per live result: whether the program reads its old value
   std::vector<size_t> live_nbytes;              // per live result: the new storage's size
   std::vector<ReplayOutput> outputs;
   std::map<int, int> donated;                   // parameter -> result, as compiled
@@ -1077,6 +1110,7 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
     live_of.emplace(&storage_state(storage), static_cast<int>(k));
     plan->live_input.push_back(input_of_storage(&storage_state(storage)));
     plan->live_nbytes.push_back(storage.nbytes());
+    plan->live_read.push_back(unread_rewrites(g, {live[k]}).empty());
   }
   for (const auto& out : outputs) {
     ReplayOutput r;
@@ -1126,7 +1160,7 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
   // The key run_graph() gives this graph (same live set and donations).
   std::vector<int> live = live_storages(g);
   std::map<int, int> donated = donations(g, live);
-  std::string key = program_key(g, live, donated);
+  std::string key = program_key(g, live, donated, chains(g));
   std::shared_ptr<ReplayPlan> plan = plan_replay(g, inputs, outputs, live);
   run_graph(g);
   if (!plan) return nullptr;
@@ -1144,12 +1178,15 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
 std::string replay_refusal() { return g_replay_refusal; }
 
 namespace {
-// The birth of the oldest input that the plan writes (UINT64_MAX: none).
+// The birth of the oldest input that the plan writes (UINT64_MAX: none); of
+// a chained program, only among those it does not read (it keeps the others).
 uint64_t oldest_input_born(const ReplayPlan& plan, const std::vector<at::Tensor>& inputs) {
   uint64_t oldest = UINT64_MAX;
   std::lock_guard<std::mutex> lock(storage_mutex());
-  for (int input : plan.live_input) {
+  for (size_t k = 0; k < plan.live_input.size(); ++k) {
+    int input = plan.live_input[k];
     if (input < 0) continue;  // a fresh output: nothing older to keep
+    if (plan.compiled->chained && plan.live_read[k]) continue;
     const StorageState& st = storage_state(inputs[input].storage());
     if (st.buffer) oldest = std::min(oldest, st.born);
   }
@@ -1192,6 +1229,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
   }
   // Random states last: a refused replay must not advance the generator.
   draw_rng_states(operands, plan.operand_rng, device);
+  if (plan.compiled->chained) operands.push_back(chained_status(device));
   std::vector<pjrt::Buffer*> raw;
   raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());
@@ -1375,7 +1413,8 @@ std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
   cap->live = graph_results(r);
   cap->donated = donations(r, cap->live);
   try {
-    if (!r.ops.empty()) cap->compiled = compile_graph(r, cap->live, cap->donated, keep_text ? &cap->program_text : nullptr);
+    if (!r.ops.empty())
+      cap->compiled = compile_graph(r, cap->live, cap->donated, chains(r), keep_text ? &cap->program_text : nullptr);
   } catch (const OpFailure& e) {
     discard_capture(*cap, c10::str("a captured graph of ", r.ops.size(), " ops failed to compile at op ", e.op, ", ",
                                    describe(r.ops[e.op]), ", recorded at ",
@@ -1402,7 +1441,9 @@ void replay_captured(CapturedGraph& cap) {
   PendingGraph& r = cap.recording;
   // After a failed check whose error is unread, a replay would write only
   // tensors older than it: it writes nothing (runtime_checks.h).
-  if (checks_unread(cap.device) && writes_dropped_before(cap.device, oldest_born(r, cap.live))) return;
+  if (checks_unread(cap.device) &&
+      writes_dropped_before(cap.device, oldest_born(r, cap.compiled->chained ? unread_rewrites(r, cap.live) : cap.live)))
+    return;
   std::vector<pjrt::BufferPtr> operands(r.operands.size());
   bool donate = !cap.donated.empty();
   {
@@ -1427,7 +1468,7 @@ void replay_captured(CapturedGraph& cap) {
   }
   std::shared_ptr<CompiledGraph> compiled = cap.compiled;
   if (!donate && !cap.donated.empty()) {
-    if (!cap.undonated) cap.undonated = compile_graph(r, cap.live, {});
+    if (!cap.undonated) cap.undonated = compile_graph(r, cap.live, {}, cap.compiled->chained);
     compiled = cap.undonated;
   }
   if (cap.rng_span > 0) {
@@ -1437,6 +1478,7 @@ void replay_captured(CapturedGraph& cap) {
       operands[k] = rng_state_buffer({base.seed, base.offset + static_cast<uint64_t>(cap.rng_relative[k])}, cap.device);
     }
   }
+  if (compiled->chained) operands.push_back(chained_status(cap.device));
   std::vector<pjrt::Buffer*> raw;
   raw.reserve(operands.size());
   for (const auto& b : operands) raw.push_back(b.get());

@@ -234,7 +234,11 @@ Dims all_dims(int64_t rank);
 Value zeros_like(Builder& b, const Value& x);
 Value scalar_like(Builder& b, double v, const Value& x);
 // s64[3]: {index of the first failed check or -1, that check's bad value, its runtime size}.
-Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks);
+// With `earlier_ok` (a chained program, runtime_checks.h): kEarlierCheckFailed
+// where every own check passed and that is false.
+constexpr int64_t kEarlierCheckFailed = -2;
+Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks,
+                   const std::optional<Value>& earlier_ok = std::nullopt);
 
 // Registration: each family file defines register_<family>(Table&), setting
 // an op's traits where it registers the op:

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <mutex>
 
+#include "aten/device.h"
 #include "aten/device_context.h"
 #include "graph/metrics.h"
 #include "pjrt/error.h"
@@ -37,6 +38,7 @@ void add_check_infos(std::vector<CheckInfo>& into, const std::vector<lowering::R
 void defer_checks(int device, uint64_t program, pjrt::BufferPtr status, CheckInfos checks,
                   std::vector<graph::SourceLocation> locations) {
   DeviceContext& ctx = device_context(device);
+  ctx.checks_seen = true;
   bool full;
   {
     std::lock_guard<std::mutex> lock(ctx.checks_mutex);
@@ -222,6 +224,28 @@ bool checks_unread(int device) {
   DeviceContext& ctx = device_context(device);
   std::lock_guard<std::mutex> lock(ctx.checks_mutex);
   return !ctx.check_statuses.empty();
+}
+
+bool chains_statuses(int device) {
+  return keep_values_on_failed_checks() && device_context(device).checks_seen.load(std::memory_order_relaxed);
+}
+
+pjrt::BufferPtr chained_status(int device) {
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  if (!ctx.check_statuses.empty()) return ctx.check_statuses.back().status;
+  if (!ctx.passed_status) {
+    const int64_t passed[3] = {-1, 0, 0};
+    ctx.passed_status = client().buffer_from_host(passed, ElementType::S64, {3}, device);
+  }
+  return ctx.passed_status;
+}
+
+uint64_t known_failure(int device) {
+  if (!keep_values_on_failed_checks()) return 0;
+  DeviceContext& ctx = device_context(device);
+  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
+  return ctx.failed_program;
 }
 
 void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,

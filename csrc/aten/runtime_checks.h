@@ -87,6 +87,24 @@ uint64_t current_program(int device);
 uint64_t writes_dropped_before(int device, uint64_t oldest_born);
 // Whether a program of `device` with an unread check status ran.
 bool checks_unread(int device);
+
+// ---- Chained statuses (fused programs) ----
+// A chained program takes the status of its device's newest unread program as
+// its last parameter and ANDs "that one passed" into the condition that
+// selects its writes over older values; its own status then reads
+// lowering::kEarlierCheckFailed when only the chain failed (the host reads it
+// as passed: the earlier one reports), and the next program chains that one.
+// So an earlier program's failed check keeps every value a later one rewrites,
+// without any program waiting for an earlier one's status.
+// Whether a program of `device` with checks was launched: from then on its
+// fused programs chain (a device that never checks runs unchanged programs).
+bool chains_statuses(int device);
+// The status a chained program launched now on `device` takes: the newest
+// unread one, or a status that passed.
+pjrt::BufferPtr chained_status(int device);
+// The device's failure known on the host (a status read and not yet raised):
+// writes to storages born before it are dropped (0: none). Never waits.
+uint64_t known_failure(int device);
 // Host tensors a step changed (a CPU step count): if a check of a program up
 // to `last_program` fails, `targets` get `saved` back when its error is raised.
 void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,

@@ -219,10 +219,11 @@ Dims all_dims(int64_t rank) {
 Value zeros_like(Builder& b, const Value& x) { return b.constant(0, x.element(), x.dims()); }
 Value scalar_like(Builder& b, double v, const Value& x) { return b.constant(v, x.element(), x.dims()); }
 
-Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks) {
+Value check_status(Builder& b, const std::vector<RuntimeCheck>& checks, const std::optional<Value>& earlier_ok) {
   // From the last check to the first, so the first failure wins: two scalar
-  // selects per check.
+  // selects per check. The chain goes last: an own failure is reported first.
   Value index = b.constant_int(-1, ElementType::S64), bad = b.constant_int(0, ElementType::S64), size = bad;
+  if (earlier_ok) index = b.select(*earlier_ok, index, b.constant_int(kEarlierCheckFailed, ElementType::S64));
   for (size_t k = checks.size(); k-- > 0;) {
     Value failed = b.unary("not", checks[k].ok);
     index = b.select(failed, b.constant_int(static_cast<int64_t>(k), ElementType::S64), index);

@@ -154,3 +154,98 @@ def test_an_in_place_update_in_the_failed_graph_is_kept_out():
         del rows
         w.mul_(2)  # the device goes on
         torch.testing.assert_close(w.cpu(), cpu * 2, rtol=0, atol=0)
+
+
+def _status_reads():
+    return torch_pjrt.metrics()["check_status_reads"]
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_a_loop_that_never_reads_waits_for_no_status(capturable):
+    """Fused programs chain the unread statuses on the device: no step waits for the one before to keep values."""
+    batches = [batch(seed) for seed in range(6)]
+    with torch_pjrt.mode("fused"):
+        model = make_model().to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=capturable)
+        record_step(model, opt, *[t.to("tpu") for t in batches[0]], "fused").item()
+        before = _status_reads()
+        for tokens, targets in batches[1:]:
+            record_step(model, opt, tokens.to("tpu"), targets.to("tpu"), "fused")
+        assert _status_reads() == before  # nothing read the statuses: no step waited
+        torch.tpu.synchronize()
+        assert _status_reads() > before
+        final = snapshot(model, opt)
+    assert_same_state(final, cpu_run(batches))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["recorded", "compiled"])
+def test_a_failure_keeps_values_through_later_unread_steps(compiled):
+    """Two good steps after the bad one, nothing read: each chains the one before (the second through a status
+    that only says an earlier program failed), all three write nothing, the error is raised once."""
+    batches = [batch(seed) for seed in range(7)]
+    batches[2] = batch(2, "embedding")
+    torch._dynamo.reset()
+    with torch_pjrt.mode("fused"):
+        model = make_model().to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        loss_of = torch.compile(model, backend="tpu") if compiled else model
+
+        def step(tokens, targets):
+            opt.zero_grad()
+            loss = loss_of(tokens.to("tpu"), targets.to("tpu"))
+            loss.backward()
+            opt.step()
+            return loss
+
+        for tokens, targets in batches[:2]:
+            step(tokens, targets).item()
+        before, reads = snapshot(model, opt), _status_reads()
+        for tokens, targets in batches[2:5]:
+            step(tokens, targets)
+        assert _status_reads() == reads
+        with pytest.raises(IndexError, match="index out of range in self"):
+            torch.tpu.synchronize()
+        torch.tpu.synchronize()  # raised once
+        assert_same_state(snapshot(model, opt), before)
+        for tokens, targets in batches[5:]:
+            step(tokens, targets).item()
+        final = snapshot(model, opt)
+    assert_same_state(final, cpu_run(batches[:2] + batches[5:]))
+
+
+def test_a_captured_step_replayed_after_a_failed_replay_writes_nothing():
+    """torch.accelerator.Graph: the replay after a failed one chains its status on the device."""
+    error_type, error_message = cpu_error("gather")
+    batches = [batch(seed) for seed in range(6)]
+    batches[2] = batch(2, "gather")
+    with torch_pjrt.mode("fused"):
+        model = make_model().to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        static_tokens = torch.zeros(4, 5, dtype=torch.long, device="tpu")
+        static_targets = torch.zeros(4, dtype=torch.long, device="tpu")
+
+        def load(k):
+            static_tokens.copy_(batches[k][0])
+            static_targets.copy_(batches[k][1])
+
+        load(0)
+        record_step(model, opt, static_tokens, static_targets, "fused").item()  # warm-up, outside the capture
+        graph = torch.accelerator.Graph()
+        with graph:
+            static_loss = record_step(model, opt, static_tokens, static_targets, "fused")
+        load(1)
+        graph.replay()
+        static_loss.item()
+        before = snapshot(model, opt)
+        for k in (2, 3):
+            load(k)
+            graph.replay()
+        with pytest.raises(error_type, match=error_message):
+            torch.tpu.synchronize()
+        assert_same_state(snapshot(model, opt), before)
+        for k in (4, 5):
+            load(k)
+            graph.replay()
+            static_loss.item()
+        final = snapshot(model, opt)
+    assert_same_state(final, cpu_run(batches[:2] + batches[4:]))
