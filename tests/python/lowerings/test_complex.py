@@ -12,7 +12,7 @@ import torch_pjrt
 from conftest import DEVICE, assert_matches_cpu, fused_pass_only
 
 COMPLEX = [torch.complex64, torch.complex128]
-# The op sweeps (unary, binary, fft) run complex128 in the fused pass only; strict, lazy and debug still run
+# The op sweeps (unary, binary, fft) run complex128 in the fused pass only; the strict pass still runs
 # complex128 through creation, copies, views, reductions, products and autograd below.
 SWEEP = [torch.complex64, *fused_pass_only(torch.complex128)]
 

@@ -27,7 +27,7 @@ SIZES = [  # (input H, W), output size
     ((64, 48), (7, 100)),   # strong down (many antialias taps) and up
 ]
 # The weight tables are computed on the host from the sizes and options (_resample_uint8.py); the device runs
-# the same integer gathers, products and sums for every size. So strict, lazy and debug run the first two
+# the same integer gathers, products and sums for every size. So the strict pass runs the first two
 # sizes and factors (up and down, every mode/antialias/align_corners); the rest run in the fused pass only.
 ONE_PASS = pytest.mark.modes_inside
 SIZE_SWEEP = SIZES[:2] + [pytest.param(hw, size, marks=ONE_PASS) for hw, size in SIZES[2:]]

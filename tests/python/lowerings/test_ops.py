@@ -9,7 +9,7 @@ from conftest import assert_matches_cpu, fused_pass_only
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # The unary sweep runs float16 and float64 in the fused pass only: float32 and bfloat16 (a half type whose
-# every result is rounded and stored) take strict, lazy and debug mode's own path for each op.
+# every result is rounded and stored) take strict mode's own path for each op.
 UNARY_FLOATS = [torch.float32, torch.bfloat16, *fused_pass_only(torch.float16, torch.float64)]
 INTS = [torch.int32, torch.int64]
 
