@@ -1327,6 +1327,7 @@ void move_recording(PendingGraph& from, PendingGraph& to) {
   to.snapshot_refs = std::move(from.snapshot_refs);
   to.inputs = std::move(from.inputs);
   to.key = std::move(from.key);
+  to.has_checks = from.has_checks;
   to.run = std::move(from.run);
   reset_recording(from);
   from.run.reset();
