@@ -434,7 +434,7 @@ std::shared_ptr<CompiledGraph> compile_graph(PendingGraph& g, const std::vector<
   for (int id : live) outputs.push_back(values.values.at(&storage_state(g.storages[id])));
   auto compiled = std::make_shared<CompiledGraph>();
   compiled->chained = chained;
-  b.set_location({"torch_pjrt::runtime_checks", "", 0});
+  if (chained || !checks.checks.empty()) b.set_location({"torch_pjrt::runtime_checks", "", 0});
   std::optional<Value> earlier_ok;
   if (chained) {
     Value earlier = b.parameter(lowering::TensorType{ElementType::S64, {3}});
@@ -737,10 +737,12 @@ uint64_t oldest_born(const PendingGraph& g, const std::vector<int>& ids) {
 // storage first (a zero_, a whole copy_): a chained program cannot keep
 // their old values itself.
 std::vector<int> unread_rewrites(const PendingGraph& g, const std::vector<int>& live) {
+  std::vector<char> read(g.storages.size(), 0);
+  for (int id : g.operand_storage)
+    if (id >= 0) read[id] = 1;
   std::vector<int> unread;
   for (int id : live)
-    if (std::find(g.operand_storage.begin(), g.operand_storage.end(), id) == g.operand_storage.end())
-      unread.push_back(id);
+    if (!read[id]) unread.push_back(id);
   return unread;
 }
 
@@ -1110,8 +1112,9 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
     live_of.emplace(&storage_state(storage), static_cast<int>(k));
     plan->live_input.push_back(input_of_storage(&storage_state(storage)));
     plan->live_nbytes.push_back(storage.nbytes());
-    plan->live_read.push_back(unread_rewrites(g, {live[k]}).empty());
   }
+  std::vector<int> unread = unread_rewrites(g, live);
+  for (int id : live) plan->live_read.push_back(std::find(unread.begin(), unread.end(), id) == unread.end());
   for (const auto& out : outputs) {
     ReplayOutput r;
     if (out && out->defined()) {

@@ -241,13 +241,6 @@ pjrt::BufferPtr chained_status(int device) {
   return ctx.passed_status;
 }
 
-uint64_t known_failure(int device) {
-  if (!keep_values_on_failed_checks()) return 0;
-  DeviceContext& ctx = device_context(device);
-  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
-  return ctx.failed_program;
-}
-
 void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
                           std::vector<at::Tensor> saved) {
   DeviceContext& ctx = device_context(device);

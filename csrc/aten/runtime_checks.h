@@ -102,9 +102,6 @@ bool chains_statuses(int device);
 // The status a chained program launched now on `device` takes: the newest
 // unread one, or a status that passed.
 pjrt::BufferPtr chained_status(int device);
-// The device's failure known on the host (a status read and not yet raised):
-// writes to storages born before it are dropped (0: none). Never waits.
-uint64_t known_failure(int device);
 // Host tensors a step changed (a CPU step count): if a check of a program up
 // to `last_program` fails, `targets` get `saved` back when its error is raised.
 void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
