@@ -76,6 +76,10 @@ else fused_cap=170; fused_keep=200; bench_keep=40; BENCH_ARGS=""; fi
 run_tests fused $fused_cap $fused_keep
 echo "== benchmark (side by side: PyTorch CUDA eager, torch_pjrt on the CUDA plugin, jax.jit)"
 timeout -k 10 "$(budget 170 $bench_keep)" $PY benchmarks/bench_gpu.py $BENCH_ARGS
+if [ -z "${GPU_CHECK_QUICK:-}" ]; then
+  echo "== failed-check cost (keeping values on a failed check, on/off per step: docs/design/runtime-checks.md)"
+  timeout -k 10 "$(budget 90 200)" $PY benchmarks/bench_failed_checks.py --quick
+fi
 
 [ -n "${GPU_CHECK_QUICK:-}" ] || run_tests strict 200 0
 echo "== done in $SECONDS s"
