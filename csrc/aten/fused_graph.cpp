@@ -733,16 +733,24 @@ uint64_t oldest_born(const PendingGraph& g, const std::vector<int>& ids) {
   return oldest;
 }
 
-// The results among `live` that the graph writes without reading the
-// storage first (a zero_, a whole copy_): a chained program cannot keep
-// their old values itself.
-std::vector<int> unread_rewrites(const PendingGraph& g, const std::vector<int>& live) {
-  std::vector<char> read(g.storages.size(), 0);
+// Per result among `live`: whether the graph reads the storage's old value
+// (it is an operand). A chained program keeps those values itself; one it
+// writes without reading first (a zero_, a whole copy_) it cannot.
+std::vector<char> reads_old_value(const PendingGraph& g, const std::vector<int>& live) {
+  std::vector<char> operand(g.storages.size(), 0);
   for (int id : g.operand_storage)
-    if (id >= 0) read[id] = 1;
+    if (id >= 0) operand[id] = 1;
+  std::vector<char> read;
+  for (int id : live) read.push_back(operand[id]);
+  return read;
+}
+
+// The results among `live` that the graph writes without reading them first.
+std::vector<int> unread_rewrites(const PendingGraph& g, const std::vector<int>& live) {
+  std::vector<char> read = reads_old_value(g, live);
   std::vector<int> unread;
-  for (int id : live)
-    if (!read[id]) unread.push_back(id);
+  for (size_t k = 0; k < live.size(); ++k)
+    if (!read[k]) unread.push_back(live[k]);
   return unread;
 }
 
@@ -1113,8 +1121,7 @@ std::shared_ptr<ReplayPlan> plan_replay(PendingGraph& g, const std::vector<at::T
     plan->live_input.push_back(input_of_storage(&storage_state(storage)));
     plan->live_nbytes.push_back(storage.nbytes());
   }
-  std::vector<int> unread = unread_rewrites(g, live);
-  for (int id : live) plan->live_read.push_back(std::find(unread.begin(), unread.end(), id) == unread.end());
+  plan->live_read = reads_old_value(g, live);
   for (const auto& out : outputs) {
     ReplayOutput r;
     if (out && out->defined()) {
