@@ -766,13 +766,32 @@ std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> don
   // The callback touches only the stamp: it may run on a plugin thread.
   work->done->on_ready([finished = work->finished_ns] { finished->store(now_ns()); });
   std::lock_guard<std::mutex> lock(work_mutex_);
+  pop_finished_work();
+  in_flight_.push_back(work);
+  return work;
+}
+
+void DeviceContext::pop_finished_work() {
   while (!in_flight_.empty() && in_flight_.front()->done->is_ready()) {
     auto ready = std::move(in_flight_.front());
     in_flight_.pop_front();
-    ready->done->wait();  // surfaces a failure of an earlier async program
+    try {
+      ready->done->wait();
+    } catch (const pjrt::Error& e) {
+      if (unreported_failure_.empty()) unreported_failure_ = e.what();
+    }
   }
-  in_flight_.push_back(work);
-  return work;
+}
+
+std::string DeviceContext::take_unreported_failure() {
+  std::lock_guard<std::mutex> lock(work_mutex_);
+  return std::exchange(unreported_failure_, "");
+}
+
+void DeviceContext::failures_reported() {
+  std::lock_guard<std::mutex> lock(work_mutex_);
+  pop_finished_work();
+  unreported_failure_.clear();
 }
 
 std::vector<std::shared_ptr<Work>> DeviceContext::in_flight_work() {
@@ -806,12 +825,17 @@ void synchronize(int device) {
   check_not_forked();
   flush_pending(device);
   wait_host_transfers();  // after this, the sources of non_blocking copies may change
-  std::deque<std::shared_ptr<Work>> pending = device_context(device).take_in_flight();
-  try {
-    for (auto& work : pending) work->done->wait();
-  } catch (const pjrt::Error& e) {
-    raise_device_error(c10::str("a tpu program on tpu:", device, " failed: ", e.what()));
+  DeviceContext& ctx = device_context(device);
+  std::deque<std::shared_ptr<Work>> pending = ctx.take_in_flight();
+  std::string failure = ctx.take_unreported_failure();
+  for (auto& work : pending) {
+    try {
+      work->done->wait();
+    } catch (const pjrt::Error& e) {
+      if (failure.empty()) failure = e.what();
+    }
   }
+  if (!failure.empty()) raise_device_error(c10::str("a tpu program on tpu:", device, " failed: ", failure));
   raise_failed_checks(device);
 }
 

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "aten/host_restores.h"
 #include "aten/runtime_checks.h"
 #include "graph/source_location.h"
 #include "pjrt/buffer.h"
@@ -77,6 +78,13 @@ class DeviceContext {
   std::vector<std::shared_ptr<Work>> in_flight_work();
   // Empties the in-flight list and returns it (synchronize waits on it).
   std::deque<std::shared_ptr<Work>> take_in_flight();
+  // A program that failed after its launch (out of memory while running) is
+  // raised once: at a read of its results, or else at synchronize(). The
+  // launch of an unrelated later op never raises it.
+  // Why the first such program no read reported failed ("" if none); clears it.
+  std::string take_unreported_failure();
+  // A read raised a device error: the failures finished so far are that one's.
+  void failures_reported();
 
   // ---- recompile history (torch_pjrt.explain()): `fn` runs under its lock.
   template <typename Fn>
@@ -106,7 +114,7 @@ class DeviceContext {
   // before it are dropped.
   std::atomic<uint64_t> programs{0};
   uint64_t failed_program = 0;
-  std::vector<HostUndo> host_undos;  // under checks_mutex
+  std::vector<HostUndo> host_undos;  // under checks_mutex (host_restores.h)
   // Chained statuses (runtime_checks.h): set once a program with checks ran;
   // a passed status on this device, made when first chained.
   std::atomic<bool> checks_seen{false};
@@ -115,6 +123,8 @@ class DeviceContext {
  private:
   std::mutex work_mutex_;
   std::deque<std::shared_ptr<Work>> in_flight_;
+  std::string unreported_failure_;  // under work_mutex_
+  void pop_finished_work();  // under work_mutex_
   std::mutex recompile_mutex_;
   RecompileHistory recompile_history_;
 };

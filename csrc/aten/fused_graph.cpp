@@ -29,6 +29,7 @@
 #include "aten/device_context.h"
 #include "aten/growth.h"
 #include "aten/host_copy.h"
+#include "aten/host_restores.h"
 #include "aten/op_call.h"
 #include "aten/profiling.h"
 #include "graph/metrics.h"
@@ -92,6 +93,25 @@ struct PendingGraph {
 };
 
 std::shared_ptr<PendingGraph> make_pending_graph() { return std::make_shared<PendingGraph>(); }
+
+// A graph's lock. Its release is where host restores due to a failed graph run
+// (host_restores.h): they are Python code, which must not run under the lock.
+class GraphLock {
+ public:
+  explicit GraphLock(PendingGraph& g) : mutex_(g.mutex) {
+    mutex_.lock();
+    enter_graph_lock();
+  }
+  ~GraphLock() {
+    mutex_.unlock();
+    leave_graph_lock();
+  }
+  GraphLock(const GraphLock&) = delete;
+  GraphLock& operator=(const GraphLock&) = delete;
+
+ private:
+  std::recursive_mutex& mutex_;
+};
 
 struct CompiledGraph {
   graph::ProgramPtr program;
@@ -256,7 +276,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   // holding the GIL may be waiting for that lock.
   graph::SourceLocation location = graph::capture_source_location();
   PendingGraph& g = pending_graph(call.device);  // each device records its own graph
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   {
     std::lock_guard<std::mutex> storages(storage_mutex());
     if (!storages_as_keyed(call)) return false;  // another thread wrote a storage first: plan again
@@ -653,7 +673,9 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
 // Storages with no value before the graph (made inside it) keep the error and
 // raise it when used, and so does any storage whose donated input buffer the
 // plugin consumed despite the failure (never a stale or zero value).
-[[noreturn]] void fail_graph(PendingGraph& g, const std::string& message, const std::map<int, int>& donated) {
+[[noreturn]] void fail_graph(PendingGraph& g, const std::string& message, const std::map<int, int>& donated,
+                             uint64_t program) {
+  restore_failed_program(g.device, program);  // run as the lock is released
   auto lost = std::make_shared<const std::string>(message);
   std::vector<char> consumed(g.storages.size(), 0);
   for (auto [operand, output] : donated) {
@@ -797,6 +819,7 @@ void run_graph(PendingGraph& g) {
   std::unique_ptr<pjrt::Event> done;
   pjrt::ExecutablePtr exe;
   const int device = g.device;  // clear_graph resets it
+  uint64_t program = current_program(device) + 1;  // its number once launched
   try {
     std::shared_ptr<CompiledGraph> compiled;
     {
@@ -824,7 +847,7 @@ void run_graph(PendingGraph& g) {
     ProfileScope profile([&] { return graph_profile(g, "execute"); });
     exe = compiled->program->executable();
     auto result = exe->execute(buffers);
-    const uint64_t program = begin_program(g.device);
+    program = begin_program(g.device);
     if ((first_run || profile.active()) && result.done) {
       result.done->wait();
       compiled->ran_once = true;
@@ -847,12 +870,12 @@ void run_graph(PendingGraph& g) {
   } catch (const OpFailure& e) {
     std::string op = describe(g.ops[e.op]), where = graph::describe_source_location(g.ops[e.op].location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops failed at op ", e.op, ", ", op, ", recorded at ",
-                           where, ": ", e.what()), donated);
+                           where, ": ", e.what()), donated, program);
   } catch (const std::exception& e) {
     std::string first = graph::describe_source_location(g.ops.front().location);
     std::string last = graph::describe_source_location(g.ops.back().location);
     fail_graph(g, c10::str("a fused graph of ", op_count, " ops, recorded from ", first, " to ", last, ", failed: ",
-                           e.what()), donated);
+                           e.what()), donated, program);
   }
   std::shared_ptr<Work> work;
   try {
@@ -875,14 +898,14 @@ bool set_size_cuts(bool enabled) {
 void flush_pending(int device) {
   check_not_forked();  // before the lock: a thread of the parent may have held it at the fork
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   run_graph(g);
 }
 
 std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight) {
   check_not_forked();
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   in_flight = device_context(device).in_flight_work();
   if (g.ops.empty()) return nullptr;
   if (!g.run) g.run = std::make_shared<GraphRun>();
@@ -892,7 +915,7 @@ std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_
 void flush_through(int device, const GraphRun& run) {
   check_not_forked();
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   if (g.run.get() == &run) run_graph(g);
 }
 
@@ -905,7 +928,7 @@ void cut_pending() {
   check_not_forked();
   for (DeviceContext* ctx : started_device_contexts()) {
     PendingGraph& g = pending_graph(ctx->index);
-    std::lock_guard<std::recursive_mutex> lock(g.mutex);
+    GraphLock lock(g);
     if (!g.capturing) run_graph(g);
   }
 }
@@ -919,7 +942,7 @@ void cut_long_pending() {
   if (mode() != Mode::Fused || !t_size_cuts) return;
   for (DeviceContext* ctx : started_device_contexts()) {
     PendingGraph& g = pending_graph(ctx->index);
-    std::lock_guard<std::recursive_mutex> lock(g.mutex);
+    GraphLock lock(g);
     if (!g.capturing && (2 * g.ops.size() >= graph_op_limit() || 2 * g.compile_cost >= graph_cost_limit()))
       run_graph(g);
   }
@@ -934,7 +957,7 @@ bool is_pending(const StorageState& st) {
 
 pjrt::BufferPtr readable_buffer(const StorageState& st) {
   PendingGraph& g = pending_graph(st.device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   check_not_capturing(g, st.device);  // even a value written before the capture
   if (is_pending(st)) run_graph(g);
   return buffer_of(st);
@@ -942,7 +965,7 @@ pjrt::BufferPtr readable_buffer(const StorageState& st) {
 
 void install_after_graph(StorageState& st, pjrt::BufferPtr buffer) {
   PendingGraph& g = pending_graph(st.device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   check_not_capturing(g, st.device);
   if (is_pending(st)) run_graph(g);
   install_buffer(st, std::move(buffer));
@@ -960,7 +983,7 @@ void resize_storage_after_graph(const c10::Storage& storage, size_t nbytes) {
   StorageState& st = storage_state(storage);
   if (!runtime_started()) return set_storage_bytes(storage, nbytes);  // no graph can hold it yet
   PendingGraph& g = pending_graph(st.device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   if (auto it = g.ids.find(&st); it != g.ids.end()) {
     bool free = nbytes == 0 && st.capacity == 0;
     bool reallocate = st.nbytes == 0 && st.capacity == 0 && nbytes == g.extents[it->second];
@@ -1165,7 +1188,7 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
                                             const std::vector<std::optional<at::Tensor>>& outputs) {
   check_not_forked();
   PendingGraph& g = pending_graph(graph_device(inputs));
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   if (g.ops.empty()) return nullptr;
   // The key run_graph() gives this graph (same live set and donations).
   std::vector<int> live = live_storages(g);
@@ -1215,7 +1238,7 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
     if (!plan.inputs[i].same_view(inputs[i]) || sharing[i] != plan.inputs[i].storage) return std::nullopt;
   const int device = plan.device;
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   run_graph(g);  // the inputs' values, and the order of work before this call
   // After a failed check, the recorded path keeps older values (runtime_checks.h).
   if (checks_unread(device) && writes_dropped_before(device, oldest_input_born(plan, inputs))) return std::nullopt;
@@ -1368,7 +1391,7 @@ bool capturing(int device) { return pending_graph(device).capturing.load(); }
 void begin_capture(int device) {
   check_not_forked();
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   TORCH_CHECK(!g.capturing, "capture_begin(): tpu:", device, " is already capturing a graph");
   run_graph(g);  // work recorded before the capture is not part of it
   // The process's mode is what the capture switches (and restores): a thread's own mode must be fused to record.
@@ -1384,7 +1407,7 @@ void begin_capture(int device) {
 std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
   check_not_forked();
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   TORCH_CHECK(g.capturing, "capture_end(): tpu:", device, " is not capturing a graph");
   g.capturing = false;
   set_mode(g.mode_before_capture);
@@ -1444,7 +1467,7 @@ std::shared_ptr<CapturedGraph> end_capture(int device, bool keep_text) {
 void replay_captured(CapturedGraph& cap) {
   check_not_forked();
   PendingGraph& g = pending_graph(cap.device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   TORCH_CHECK(!g.capturing, "replay(): tpu:", cap.device, " is capturing a graph; replay graphs after capture_end()");
   if (!cap.compiled) return;  // nothing was captured
   run_graph(g);  // work before the replay (new inputs copied into captured tensors) runs first
@@ -1511,22 +1534,21 @@ void replay_captured(CapturedGraph& cap) {
 
 const std::string& captured_program_text(const CapturedGraph& cap) { return cap.program_text; }
 
-bool checks_may_fail(int device) {
+bool step_may_fail(int device) {
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  return keep_values_on_failed_checks() && (g.has_checks || checks_unread(device));
+  GraphLock lock(g);
+  return keep_values_on_failed_checks() && (!g.ops.empty() || checks_unread(device));
 }
 
-void undo_host_state_on_failed_check(int device, std::vector<at::Tensor> targets, std::vector<at::Tensor> saved) {
+void restore_host_state_if_failed(int device, int64_t token) {
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
-  uint64_t last = current_program(device) + (g.ops.empty() ? 0 : 1);
-  undo_on_failed_check(device, last, std::move(targets), std::move(saved));
+  GraphLock lock(g);
+  restore_if_failed(device, !g.ops.empty(), token);
 }
 
 void fail_capture(int device, const std::string& why) {
   PendingGraph& g = pending_graph(device);
-  std::lock_guard<std::recursive_mutex> lock(g.mutex);
+  GraphLock lock(g);
   if (g.capturing && g.capture_failure.empty()) g.capture_failure = why;
 }
 

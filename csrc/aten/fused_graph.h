@@ -69,13 +69,13 @@ std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& p
 // Why the latest run_and_capture() made no plan ("" if it made one).
 std::string replay_refusal();
 
-// Whether a program of `device` may yet fail a runtime check: its pending
-// graph records an op with checks, or a status is unread (runtime_checks.h).
-bool checks_may_fail(int device);
-// Host tensors an optimizer step changed (a CPU step count), restored to
-// `saved` if a check fails in the programs that ran or will run the step's
-// recorded ops (its pending graph, if any, is the next program).
-void undo_host_state_on_failed_check(int device, std::vector<at::Tensor> targets, std::vector<at::Tensor> saved);
+// Whether a step's programs on `device` may yet fail (a runtime check, or the
+// pending graph's compile or run): ops are pending or a status is unread.
+bool step_may_fail(int device);
+// Restore `token` (host_restores.h) is due if the programs that ran or will
+// run the ops recorded so far on `device` fail (its pending graph, if any, is
+// the next program).
+void restore_host_state_if_failed(int device, int64_t token);
 
 // flush_pending() for the cut points (sync(), an optimizer step, the end of a
 // module's inference call): skips a device that is capturing a graph.

@@ -153,6 +153,7 @@ at::Tensor read_to_host(const at::Tensor& t, const at::Tensor& into) {
   try {
     buffer->to_host(whole.mutable_data_ptr());
   } catch (const pjrt::Error& e) {
+    device_context(st.device).failures_reported();
     raise_device_error(c10::str("reading a tpu tensor failed: ", e.what()));
   }
   if (!whole.is_same(out)) out.view(-1).copy_(whole.narrow(0, 0, t.numel()));

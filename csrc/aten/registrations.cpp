@@ -261,6 +261,12 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 
 }  // namespace
 
+namespace {
+struct QuietWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+}  // namespace
+
 void register_lowered_kernels(const lowering::OpRule* overriding) {
   // Each call adds the ops that gained a lowering since (torch_pjrt.register_lowering); ops with a kernel
   // of their own on the device keep it, unless `overriding` is their rule (a lowering registered for
@@ -274,7 +280,8 @@ void register_lowered_kernels(const lowering::OpRule* overriding) {
     auto op = dispatcher.findOp(name);
     if (!op || !op->hasSchema()) continue;
     // Ops routed elsewhere on purpose keep their generic kernels (Route::KeepGeneric: copies across devices).
-    const lowering::OpRule* rule = lowering::find_rule(base_name(op->schema()), name.overload_name, "");
+    const lowering::OpRule* rule =
+        lowering::find_rule(base_name(op->schema()), name.overload_name, overriding ? overriding->platform : "");
     if (!rule || !rule->fn || rule->route == lowering::Route::KeepGeneric) continue;
     // Implicit composites must decompose above autograd; existing kernels stay.
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
@@ -283,6 +290,10 @@ void register_lowered_kernels(const lowering::OpRule* overriding) {
     if (!library)
       library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    // Replacing a device kernel on purpose: PyTorch's "Overriding a previously registered kernel" warning
+    // would only show the user this file's build path.
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
     library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
   }
 }

@@ -10,6 +10,7 @@
 
 #include "aten/device.h"
 #include "aten/device_context.h"
+#include "aten/host_restores.h"
 #include "graph/metrics.h"
 #include "pjrt/error.h"
 
@@ -112,21 +113,14 @@ std::vector<std::array<int64_t, 3>> read_statuses(const Pending& pending) {
 void forget_undos(DeviceContext& ctx, uint64_t settled) {
   std::lock_guard<std::mutex> lock(ctx.checks_mutex);
   ctx.failed_program = 0;
-  auto& undos = ctx.host_undos;
-  undos.erase(std::remove_if(undos.begin(), undos.end(), [&](const HostUndo& u) { return u.last_program <= settled; }),
-              undos.end());
+  forget_restores(ctx, settled);
 }
 
-// Raising `failed`'s error: host values changed since restore, and writes
-// stay dropped while `next_failed` (0: none) is unread.
+// Raising `failed`'s error: host state changed since is due to be restored,
+// and writes stay dropped while `next_failed` (0: none) is unread.
 void undo_failed(DeviceContext& ctx, uint64_t failed, uint64_t next_failed) {
   std::lock_guard<std::mutex> lock(ctx.checks_mutex);
-  auto& undos = ctx.host_undos;
-  for (auto it = undos.rbegin(); it != undos.rend(); ++it) {  // newest first: the oldest saved value stays
-    if (it->last_program < failed) continue;
-    for (size_t k = 0; k < it->targets.size(); ++k) it->targets[k].copy_(it->saved[k]);
-  }
-  undos.clear();
+  restores_due(ctx, failed);
   ctx.failed_program = next_failed;
 }
 
@@ -140,7 +134,9 @@ std::string failure_message(const PendingStatus& p, const std::array<int64_t, 3>
   graph::SourceLocation location = p.locations.at(info.checked_op);
   return c10::str(cpu_message(p, status), " (in ", info.op, ", recorded at ",
                   graph::describe_source_location(location),
-                  "; found by a check on the device, raised at the next host wait)");
+                  "; found by a check on the device, raised at the next host wait. Every tpu tensor the steps since "
+                  "wrote, optimizer step counts, LR schedulers and GradScalers are as before it; other host state your "
+                  "loop changed since that line is not put back)");
 }
 
 }  // namespace
@@ -185,6 +181,7 @@ void raise_failed_checks(int device) {
   lowering::CheckError error = first.checks->at(static_cast<size_t>(status[failed][0])).error;
   requeue(later);
   settling.unlock();
+  run_due_restores();
   if (error == lowering::CheckError::Index) TORCH_CHECK_INDEX(false, message);
   TORCH_CHECK(false, message);
 }
@@ -239,13 +236,6 @@ pjrt::BufferPtr chained_status(int device) {
     ctx.passed_status = client().buffer_from_host(passed, ElementType::S64, {3}, device);
   }
   return ctx.passed_status;
-}
-
-void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
-                          std::vector<at::Tensor> saved) {
-  DeviceContext& ctx = device_context(device);
-  std::lock_guard<std::mutex> lock(ctx.checks_mutex);
-  ctx.host_undos.push_back(HostUndo{last_program, std::move(targets), std::move(saved)});
 }
 
 }  // namespace torch_pjrt

@@ -6,8 +6,6 @@
 // then raises the CPU's error naming the op and the user's line that recorded it. One mechanism for every
 // mode; nothing waits just for a check.
 #pragma once
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -39,12 +37,6 @@ struct PendingStatus {
   uint64_t program = 0;  // the program that returned it (begin_program)
   CheckInfos checks;
   std::vector<graph::SourceLocation> locations;
-};
-
-// Host values to restore if a check of a program up to last_program fails.
-struct HostUndo {
-  uint64_t last_program = 0;
-  std::vector<at::Tensor> targets, saved;
 };
 
 // Keeps a program's status until the next wait on `device`, with the user's
@@ -102,9 +94,5 @@ bool chains_statuses(int device);
 // The status a chained program launched now on `device` takes: the newest
 // unread one, or a status that passed.
 pjrt::BufferPtr chained_status(int device);
-// Host tensors a step changed (a CPU step count): if a check of a program up
-// to `last_program` fails, `targets` get `saved` back when its error is raised.
-void undo_on_failed_check(int device, uint64_t last_program, std::vector<at::Tensor> targets,
-                          std::vector<at::Tensor> saved);
 
 }  // namespace torch_pjrt

@@ -17,6 +17,7 @@
 #include "aten/executor.h"
 #include "aten/exit_gate.h"
 #include "aten/fused_graph.h"
+#include "aten/host_restores.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
 #include "bindings/dist_backend.h"
@@ -101,14 +102,15 @@ std::string types_signature(lowering::Context& c) {
   return sig;
 }
 
-void register_python_lowering(const std::string& name, py::object lower) {
+void register_python_lowering(const std::string& name, py::object lower, const std::string& platform) {
   auto state = std::shared_ptr<PythonLowering>(new PythonLowering{std::move(lower), {}, {}}, [](PythonLowering*) {});
   const std::string base = lowering::base_name_of(name), overload = lowering::overload_of(name);
   const std::string key = overload.empty() ? base : base + "." + overload;
   lowering::OpRule rule;
+  rule.platform = platform;
   // What the CPU kernel checks and how the op is routed stay the op's; the lowering's own traits do not
   // carry over (the JAX function is not known to be elementwise, to take padding or complex values).
-  if (const lowering::OpRule* old = lowering::find_rule(base, overload, "")) {
+  if (const lowering::OpRule* old = lowering::find_rule(base, overload, platform)) {
     rule.cpu_rules = old->cpu_rules;
     rule.internal_overlap_ok = old->internal_overlap_ok;
     rule.inputs_overlap_unchecked = old->inputs_overlap_unchecked;
@@ -165,8 +167,10 @@ void register_python_lowering(const std::string& name, py::object lower) {
     return lowering::call_external(c, key, operands);
   };
   lowering::register_rule(key, std::move(rule));
-  // An op that had no lowering may need the device's kernel now (in place of a decomposition's).
-  register_lowered_kernels(lowering::find_rule(base, overload, ""));
+  // An op that had no lowering may need the device's kernel now (in place of a decomposition's); a rule
+  // for another platform than this process's is kept for nothing else.
+  if (platform.empty() || platform == lowering::current_platform())
+    register_lowered_kernels(lowering::find_rule(base, overload, platform));
 }
 
 }  // namespace
@@ -326,9 +330,24 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(py::cast(tensors), py::tuple(ints));
   });
   m.def("_replay_refusal", &replay_refusal, release_gil());
-  m.def("_checks_may_fail", &checks_may_fail, release_gil());
+  m.def("_step_may_fail", &step_may_fail, release_gil());
   m.def("_set_keep_values_on_failed_checks", &set_keep_values_on_failed_checks);
-  m.def("_undo_host_state_on_failed_check", &undo_host_state_on_failed_check, release_gil());
+  m.def("_restore_host_state_if_failed", &restore_host_state_if_failed, release_gil());
+  m.def("_registered_restores", &registered_restores, release_gil());
+  // fn(tokens) puts back the host state of failed steps (host_restores.h). Kept
+  // for the process's life: C++ calls it from whichever thread raises.
+  m.def("_set_host_restore_runner", [](py::function fn) {
+    auto* held = new py::object(std::move(fn));
+    set_host_restore_runner([held](const std::vector<int64_t>& tokens) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      try {
+        (*held)(tokens);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_pjrt: restoring host state after a failed step");
+      }
+    });
+  });
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -353,7 +372,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_lowered_ops", &lowering::lowered_op_names);
   m.def("_op_base_name", &lowering::base_name_of);
   m.def("_op_traits", &op_traits, py::arg("name"), py::arg("platform") = py::none());
-  m.def("_register_lowering", &register_python_lowering);
+  m.def("_register_lowering", &register_python_lowering, py::arg("name"), py::arg("lower"), py::arg("platform") = "");
   m.def("_register_external_function", &lowering::register_external_function, py::arg("key"), py::arg("symbol"),
         py::arg("definitions"), py::arg("unsupported") = "");
   m.def("_metrics", [] {

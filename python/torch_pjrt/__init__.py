@@ -37,6 +37,7 @@ from . import device_module
 from . import _decompositions
 from . import _data_dependent
 from . import _compile
+from . import _failed_steps
 from .device_loader import DeviceLoader
 
 __all__ = ["DeviceLoader", "jax_op", "register_lowering", "op_traits", "set_mode", "get_mode", "mode", "thread_mode", "sync",
@@ -181,31 +182,6 @@ def sync() -> None:
     _C._sync()
 
 
-def _host_state(optimizer) -> dict:
-    """Per tpu device, the CPU tensors in the state of its parameters (a capturable=False step count)."""
-    found = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.device.type != "tpu":
-                continue
-            for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                    found.setdefault(p.device.index or 0, []).append(v)
-    return found
-
-
-def _save_host_state(optimizer, args, kwargs) -> None:
-    # A failed runtime check (a bad index in the batch) leaves every tpu
-    # tensor the step writes unchanged; the step counts an optimizer keeps on
-    # the host are put back too, when the error is raised.
-    optimizer.__dict__.pop("_tpu_host_state", None)
-    if torch.compiler.is_compiling() or _C._is_in_bad_fork():
-        return
-    saved = {d: (ts, [t.clone() for t in ts]) for d, ts in _host_state(optimizer).items() if _C._checks_may_fail(d)}
-    if saved:
-        optimizer.__dict__["_tpu_host_state"] = saved
-
-
 def _end_of_step(optimizer, args, kwargs) -> None:
     # Fused mode cuts graphs at optimizer steps: every training step is then
     # the same graph, compiled once, whatever the loop reads in between.
@@ -215,13 +191,12 @@ def _end_of_step(optimizer, args, kwargs) -> None:
     _stepped_since_backward = True
     # The undo first: it names the program the sync below launches, and a sync
     # that raises must not lose it.
-    for device, (targets, saved) in optimizer.__dict__.pop("_tpu_host_state", {}).items():
-        _C._undo_host_state_on_failed_check(device, targets, saved)
+    _failed_steps.restore_step_counts_if_failed(optimizer)
     if _C._get_mode() == "fused" and not _C._is_in_bad_fork():
         _C._sync()
 
 
-register_optimizer_step_pre_hook(_save_host_state)
+_failed_steps.install()
 register_optimizer_step_post_hook(_end_of_step)
 
 
@@ -455,17 +430,31 @@ def jax_op(name: str, fn=None):
     return _jax.jax_op(name, fn)
 
 
-def register_lowering(name: str, fn) -> None:
+def register_lowering(name: str, fn=None, *, platform: str | None = None):
     """Lowers the ATen op `name` ("aten::tanh", "aten::add.Tensor") with fn, a JAX function of the op's
     Tensor arguments (in schema order; None for an absent optional one) returning its results.
 
     It replaces the op's built-in lowering, or gives one to an op that ran on the CPU. The rule is
     looked up by overload, then base name: "aten::tanh" covers tanh, tanh_ and tanh.out. Each result is
-    converted to the dtype PyTorch's meta kernel says; its shape must be the meta kernel's. Needs jax.
+    converted to the dtype PyTorch's meta kernel says; its shape must be the meta kernel's. `platform`
+    ("cpu", "cuda" or "tpu": the PJRT plugin's) limits the rule to one plugin, before the rules for every
+    platform, as built-in rules are. Used as a decorator without fn:
+
+        @torch_pjrt.register_lowering("aten::tanh", platform="tpu")
+        def tanh(x): ...
+
+    Needs jax. Returns fn.
     """
+    if platform not in (None, "cpu", "cuda", "tpu"):
+        raise ValueError(f"register_lowering: platform must be 'cpu', 'cuda', 'tpu' or None, not {platform!r}")
+    if fn is None:
+        return functools.partial(register_lowering, name, platform=platform)
+    if not callable(fn):
+        raise TypeError(f"register_lowering({name!r}): fn must be a function of JAX arrays, not {type(fn).__name__}")
     from . import _jax
 
-    _jax.register_lowering(name, fn)
+    _jax.register_lowering(name, fn, platform or "")
+    return fn
 
 
 def op_traits(name: str, platform: str | None = None):

@@ -300,7 +300,7 @@ def jax_op(name: str, fn=None):
     return JaxFunction(name, fn)
 
 
-def register_lowering(name: str, fn) -> None:
+def register_lowering(name: str, fn, platform: str = "") -> None:
     """torch_pjrt.register_lowering: fn (JAX) becomes the lowering of the ATen op `name`.
 
     The C++ rule calls `lower` when it plans the op for new argument types: it lowers fn for them with
@@ -333,4 +333,4 @@ def register_lowering(name: str, fn) -> None:
         return _register_lowering(call, stand_ins, name)
 
     _define_jax_call()  # the jax_call op's meta kernel knows the registered functions
-    _C._register_lowering(name, lower)
+    _C._register_lowering(name, lower, platform)

@@ -1,6 +1,7 @@
 // Ops a mixture-of-experts layer routes tokens with: index_add (the experts'
-// outputs summed back per token), histc (tokens per expert) and
-// torch._grouped_mm (every expert's matmul over its rows in one op).
+// outputs summed back per token), histc (tokens per expert), repeat_interleave
+// (each row's expert id, repeated by its count) and torch._grouped_mm (every
+// expert's matmul over its rows in one op).
 #include <cmath>
 #include <string>
 
@@ -157,7 +158,37 @@ std::vector<Value> lower_grouped_mm(Context& c) {
 
 }  // namespace
 
+// repeat_interleave.Tensor(repeats, output_size): i repeated repeats[i] times.
+// Only with output_size, the result's length (torchtitan's MoE passes it);
+// without it the length is data and the op runs on the CPU. Element j is the
+// number of rows that end at or before j: ends = cumsum(repeats).
+std::vector<Value> lower_repeat_interleave(Context& c) {
+  Builder& b = c.b;
+  if (!c.has("output_size")) throw Unsupported("repeat_interleave without output_size: its length is data");
+  Value repeats = c.tensor("repeats");
+  if (repeats.rank() != 1 || repeats.dims()[0] == 0) throw Unsupported("repeat_interleave: repeats not a 1-D list");
+  const int64_t n = repeats.dims()[0], total = c.int_arg("output_size");
+  const ElementType s64 = ElementType::S64;
+  Value r = b.convert(repeats, s64);
+  Value zero = b.constant_int(0, s64);
+  Value upto = b.compare(b.iota(TensorType{s64, {n, n}}, 1), b.iota(TensorType{s64, {n, n}}, 0), hlo::Compare::LE);
+  Value ends = b.reduce(b.select(upto, b.broadcast_in_dim(r, {n, n}, {1}), b.constant_int(0, s64, {n, n})), zero, {1},
+                        hlo::Reducer::Add);
+  // The CPU raises unless the repeats add up to output_size exactly.
+  Value needed = b.reshape(b.slice(ends, {n - 1}, {n}, {1}), {});
+  c.check(RuntimeCheck{b.compare(needed, b.constant_int(total, s64), hlo::Compare::EQ), needed, CheckError::Runtime,
+                       "allocated size does not match required size"});
+  if (total == 0) return {b.constant_int(0, c.output(0).element, {0})};
+  Value ended = b.compare(b.broadcast_in_dim(ends, {total, n}, {1}), b.iota(TensorType{s64, {total, n}}, 0),
+                          hlo::Compare::LE);
+  Value index = b.reduce(b.convert(ended, s64), zero, {1}, hlo::Reducer::Add);
+  return {b.convert(index, c.output(0).element)};
+}
+
 void register_moe(Table& t) {
+  // Its CPU errors depend on the values (checked on the device): CUDA's dtypes are the CPU's, and the
+  // stand-in probe of integer inputs (kCudaDtypes turns it off) would only find a wrong sum.
+  add_lowering(t, "repeat_interleave.Tensor", lower_repeat_interleave).cpu(kCudaDtypes);
   add_lowering(t, "index_add", lower_index_add).no_aliasing();
   // min/max decide the bins' edges; integer inputs follow CUDA, which the CPU kernel lacks.
   add_lowering(t, "histc", lower_histc, /*bake_scalars=*/true).cpu(kCudaDtypes);

@@ -64,13 +64,14 @@ def cpu_reference(steps):
 
 
 @pytest.mark.parametrize("mode", ["fused", "lazy"])
-def test_compile_failure_on_a_new_shape_leaves_every_tensor_as_it_was(mode):
+@pytest.mark.parametrize("capturable", [True, False])
+def test_compile_failure_on_a_new_shape_leaves_every_tensor_as_it_was(mode, capturable):
     good = [batch(8, seed) for seed in range(4)]
     with torch_pjrt.mode(mode):
         model = make_model().to("tpu")
-        # capturable: the step count lives on the device too, so the whole
-        # optimizer state is tpu tensors that the failed step must not change.
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        # capturable: the step count lives on the device too, so the whole optimizer state is tpu tensors that
+        # the failed step must not change; else it is a CPU tensor the step advanced before its graph failed.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=capturable)
         losses = [step(model, opt, x.to("tpu"), y.to("tpu"), mode) for x, y in good[:2]]
         before = snapshot(model, opt)
         assert {k.split(".")[-1] for k in before if "." in k} == {"step", "exp_avg", "exp_avg_sq"}
@@ -104,6 +105,42 @@ def test_compile_failure_on_a_new_shape_leaves_every_tensor_as_it_was(mode):
     assert expected.keys() == final.keys()
     for k in expected:
         torch.testing.assert_close(final[k], expected[k].to(final[k].dtype), rtol=1e-4, atol=1e-6, msg=k)
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens).mean(1))
+
+
+def device_born_model():
+    torch.manual_seed(0)
+    with torch.device("tpu"):
+        return Tokens()
+
+
+def test_a_device_born_model_whose_first_step_fails_keeps_its_initial_values():
+    """Built under torch.device("tpu") and never read: its initialization is pending when the first step (a bad
+    token id) records. The step's update must not reach the parameters, which keep the values a second model
+    built the same way gets."""
+    with torch_pjrt.mode("fused"):
+        model = device_born_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = torch.tensor([[1, 2, 7]], device="tpu")  # 7: out of range
+        with pytest.raises(IndexError, match="index out of range"):
+            opt.zero_grad()
+            F.cross_entropy(model(tokens), torch.tensor([1], device="tpu")).backward()
+            opt.step()
+            torch.tpu.synchronize()
+        after = [p.detach().cpu() for p in model.parameters()]
+        initial = [p.detach().cpu() for p in device_born_model().parameters()]
+    for got, expected in zip(after, initial):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not opt.state or all(int(s["step"]) == 0 for s in opt.state.values())
 
 
 def test_tensors_made_inside_the_failed_step_raise_and_inputs_do_not():
@@ -179,6 +216,27 @@ RUNTIME_FAILURE = textwrap.dedent("""
     except RuntimeError as e:
         print("MESSAGE2", str(e).replace("\\n", " "))
     print("SAME2", torch.equal(p.cpu(), cpu))
+
+    # A model made on the device, nothing read, whose first step runs out of memory: its parameters keep the
+    # values of its initialization (a twin built the same way shows them).
+    def born():
+        torch.manual_seed(1)
+        with torch.device("tpu"):
+            return nn.Linear(4, 2)
+    model = born()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    big = None
+    try:
+        train_step(1 << 34)
+        print("NO FAILURE")
+        sys.exit(0)
+    except RuntimeError as e:
+        pass
+    try:
+        twin = born()
+        print("BORN", all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(model.parameters(), twin.parameters())))
+    except RuntimeError as e:
+        print("BORN lost:", str(e)[:200])
 """)
 
 
@@ -200,3 +258,40 @@ def test_out_of_memory_while_running_leaves_every_tensor_as_it_was():
     assert "DONATED 0" not in out, out  # donation stayed on for the steps that ran
     assert "GOES_ON True" in out, out
     assert "SAME2 True" in out, out
+    assert "BORN True" in out, out
+
+
+STRICT_FAILURE = textwrap.dedent("""
+    import resource
+    import torch, torch_pjrt
+    cap = 12 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    x = torch.ones(4, device="tpu")
+    try:  # each program's output fits; the third one's does not: it fails after its launch
+        a = torch.ones(1 << 30, device="tpu")
+        b = a * 2
+        c = b + a
+        d = c * 3
+        d[:2].cpu()
+        print("NO FAILURE")
+    except torch.OutOfMemoryError as e:
+        print("RAISED", str(e).replace("\\n", " ")[:300])
+    for k in range(2):  # unrelated ops after it run, and do not raise it again
+        print("NEXT", torch.ones(3, device="tpu").sum().item(), (x + 1).sum().item())
+""")
+
+
+@pytest.mark.skipif(torch_pjrt.platform()["name"] != "cpu",
+                    reason="caps the address space, which a GPU runtime needs far more of at start")
+def test_strict_out_of_memory_is_raised_once():
+    env = dict(os.environ, TORCH_PJRT_MODE="strict")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(torch_pjrt.__path__[0]),
+                                                      env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", STRICT_FAILURE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout
+    if "NO FAILURE" in out:
+        pytest.skip("the plugin allocated every output; no run-time failure to test")
+    assert "RAISED" in out and "Out of memory" in out, out + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.count("NEXT 3.0 8.0") == 2, out

@@ -20,6 +20,29 @@ def _reset():
     torch_pjrt.reset_metrics()
 
 
+# ---- repeat_interleave with output_size (torchtitan's MoE routing) ----
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("repeats", [[2, 0, 3, 1], [0, 0, 5], [1], [4, 4, 4, 4, 4, 4, 4, 4]])
+def test_repeat_interleave_with_output_size(dtype, repeats):
+    r = torch.tensor(repeats, dtype=dtype)
+    total = int(r.sum())
+    assert_matches_cpu(lambda t: torch.repeat_interleave(t, output_size=total), r)
+    x = torch.randn(len(repeats), 3)
+    assert_matches_cpu(lambda a, t: torch.repeat_interleave(a, t, dim=0, output_size=total), x, r)
+    no_fallbacks()
+
+
+def test_repeat_interleave_with_a_wrong_output_size_raises_like_cpu():
+    r = torch.tensor([2, 0, 3, 1])
+    for wrong in (5, 7):  # the repeats must add up to output_size exactly
+        with pytest.raises(RuntimeError, match="allocated size does not match required size"):
+            torch.repeat_interleave(r, output_size=wrong)
+        with pytest.raises(RuntimeError, match="allocated size does not match required size"):
+            torch.repeat_interleave(r.to("tpu"), output_size=wrong).cpu()
+    torch.tpu.synchronize()
+
+
 # ---- index_add ----
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 0), (torch.float32, 1), (torch.float32, -1), (torch.bfloat16, 1),

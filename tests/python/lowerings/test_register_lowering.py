@@ -111,3 +111,32 @@ def test_call_setting_an_argument_the_function_cannot_see_runs_on_cpu():
             torch.testing.assert_close(torch.add(a, b, alpha=alpha).cpu(), torch.add(x, y, alpha=alpha))
         assert "aten::add.Tensor" in torch_pjrt.metrics()["cpu_fallbacks"]
     """)
+
+
+def test_decorator_platform_and_no_kernel_override_warning():
+    run("""
+        import warnings
+        import jax.numpy as jnp, torch, torch_pjrt
+        here = torch_pjrt.platform()["name"]
+        other = "tpu" if here != "tpu" else "cuda"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            @torch_pjrt.register_lowering("aten::tanh", platform=here)
+            def three(a):
+                return jnp.tanh(a) * 0 + 3
+
+            # A rule for another plugin is kept apart: this process's tanh is the one above.
+            torch_pjrt.register_lowering("aten::tanh", lambda a: jnp.tanh(a) * 0 + 4, platform=other)
+        assert callable(three) and three(jnp.zeros(2)).tolist() == [3.0, 3.0]  # the decorator returns fn
+        assert not [w for w in caught if "Overriding" in str(w.message)], [str(w.message) for w in caught]
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(torch.tanh(x.to("tpu")).cpu(), torch.full((3, 4), 3.0))
+        torch.testing.assert_close(torch.tanh(x), x.tanh())  # the CPU's own kernel is untouched
+        try:
+            torch_pjrt.register_lowering("aten::tanh", lambda a: a, platform="rocm")
+        except ValueError as e:
+            assert "platform" in str(e)
+        else:
+            raise AssertionError("an unknown platform was accepted")
+    """)

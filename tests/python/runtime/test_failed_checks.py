@@ -249,3 +249,89 @@ def test_a_captured_step_replayed_after_a_failed_replay_writes_nothing():
             static_loss.item()
         final = snapshot(model, opt)
     assert_same_state(final, cpu_run(batches[:2] + batches[4:]))
+
+
+# ---- host state beyond the optimizer: GradScaler stages, LR schedulers ----
+
+def scaled_run(device, batches, skip, unscale_first, read_every=1):
+    """An SGD loop with a GradScaler and a StepLR: the documented recipe, the error caught and the batch skipped.
+
+    On the CPU the bad batch raises in its forward (`skip` it there); on tpu the error surfaces at the next read
+    (found-inf in scaler.step(), or a loss read `read_every` steps later)."""
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10)
+    losses, raised = [], []
+    for k, (tokens, targets) in enumerate(batches):
+        if k in skip:
+            continue
+        try:
+            loss = model(tokens.to(device), targets.to(device))
+            scaler.scale(loss).backward()
+            if unscale_first:  # as before clipping: the stage changes before step()
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+            if (k + 1) % read_every == 0:
+                losses.append(loss.item())
+        except IndexError:
+            raised.append(k)
+            opt.zero_grad()
+    state = {"lr": opt.param_groups[0]["lr"], "last_epoch": sched.last_epoch, "scale": scaler.get_scale(),
+             "stages": [s["stage"] for s in scaler._per_optimizer_states.values()]}
+    params = [p.detach().cpu() for p in model.parameters()]
+    return losses, raised, state, params
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_a_grad_scaler_loop_that_skips_a_bad_batch_goes_on_as_the_cpu(mode, unscale_first):
+    """The IndexError surfaces inside scaler.step() (its found-inf read) after unscale_ changed the stage: the
+    scaler must not keep that stage, or the next step applies gradients still multiplied by the scale."""
+    batches = [batch(seed) for seed in range(6)]
+    batches[2] = batch(2, "embedding")
+    cpu_losses, _, cpu_state, cpu_params = scaled_run("cpu", batches, {2}, unscale_first)
+    with torch_pjrt.mode(mode):
+        losses, raised, state, params = scaled_run("tpu", batches, set(), unscale_first)
+    assert raised == [2]
+    assert state == cpu_state
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-4, atol=1e-5)
+    for got, expected in zip(params, cpu_params):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fused", "strict"])
+def test_schedulers_and_scalers_come_back_when_the_error_is_read_steps_later(mode):
+    """Read every 2 steps: the bad step 2 and the good step 3 write nothing on the device, and the scheduler's
+    count, the learning rate and the optimizer's step count go back to before step 2, as on a CPU run that
+    skipped both batches."""
+    batches = [batch(seed) for seed in range(8)]
+    batches[2] = batch(2, "embedding")
+
+    def run(device, skip):
+        model = make_model().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # capturable=False: a CPU step count
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        raised = []
+        for k in range(0, len(batches), 2):
+            try:
+                losses = []
+                for j in (k, k + 1):
+                    if j not in skip:
+                        losses.append(record_step(model, opt, *[t.to(device) for t in batches[j]], "strict"))
+                        sched.step()
+                [loss.item() for loss in losses]
+            except IndexError:
+                raised.append(k)
+        step = opt.state[next(model.parameters())]["step"]
+        return raised, (sched.last_epoch, opt.param_groups[0]["lr"], step.item()), snapshot(model, opt)
+
+    _, cpu_counts, cpu_state = run("cpu", {2, 3})
+    with torch_pjrt.mode(mode):
+        raised, counts, state = run("tpu", set())
+    assert raised == [2]
+    assert counts == cpu_counts
+    assert_same_state(state, cpu_state)
