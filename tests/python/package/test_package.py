@@ -112,10 +112,28 @@ def test_python_m_torch_pjrt_prints_a_diagnosis(tmp_path):
     assert fields["devices"].startswith(f"{torch.tpu.device_count()} (tpu:0")
     assert fields["torch"].startswith(torch.__version__ + " ")
     assert fields["mode"] == "strict"
+    assert fields["health"] == "ok"  # and exit status 0 (run_python)
     assert os.path.samefile(fields["torch_pjrt"], os.path.dirname(torch_pjrt.__file__))
     files, size = re.fullmatch(r".* \((\d+) files, (\d+) bytes\)", fields["compile cache"]).groups()
     assert fields["compile cache"].startswith(str(cache))
     assert (int(files), int(size)) == (1, 1234)
+
+
+@in_one_pass
+def test_python_m_torch_pjrt_exits_1_when_the_device_cannot_start(tmp_path):
+    """A health check: a plugin path that does not exist, or a file that is no plugin, gives exit status 1, the
+    diagnosis still printed and the reason on the last line."""
+    not_a_plugin = tmp_path / "not_a_plugin.so"
+    not_a_plugin.write_bytes(b"not a shared library")
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+    for plugin, reason in ((tmp_path / "missing.so", "no such file"), (not_a_plugin, "could not load PJRT plugin")):
+        proc = subprocess.run([sys.executable, "-m", "torch_pjrt"], cwd=tmp_path, capture_output=True, text=True,
+                              env=dict(environ, PYTHONPATH=PYTHON_DIR, TORCH_PJRT_PLUGIN=str(plugin)), timeout=240)
+        assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+        fields = diagnosis_fields(proc.stdout)
+        assert fields["plugin variable"] == f"TORCH_PJRT_PLUGIN={plugin}"
+        assert reason in fields["health"], proc.stdout
+        assert proc.stdout.splitlines()[-1].startswith("health: ")
 
 
 def build_is_up_to_date(build_dir):
