@@ -16,7 +16,8 @@ script does not change (see docs/design/distributed.md, "accelerate and the HF T
   CPU plugin every process owns tpu:0; accelerate assumes the CUDA layout, local rank r on device r).
 - `accelerate launch --num_processes N` with one visible device runs N processes (each process opens its own
   devices), where accelerate would start a single one.
-- DynamoBackend gets TPU: Trainer(torch_compile_backend="tpu") / `--dynamo_backend tpu`.
+- DynamoBackend gets TPU: Trainer(torch_compile_backend="tpu"); the launcher's own DYNAMO_BACKENDS list (its
+  argparse choices) too, so `accelerate launch --dynamo_backend tpu` is accepted.
 - The safety net: a process on `tpu` with WORLD_SIZE > 1 that accelerate left non-distributed raises.
 - accelerate refuses fp16 on `tpu` inside Accelerator.__init__ (it assumes TorchTPU's missing GradScaler op);
   that check cannot be reached from outside, so the refusal is re-raised with the working alternatives.
