@@ -2,7 +2,9 @@
 `python -m torch_pjrt --settings`: the TORCH_PJRT_* environment variables (docs/settings.md).
 
 Every line is `name: value`; a failure to start the device is printed, not raised,
-so the report says what is wrong.
+so the report says what is wrong. The last line is `health: ok` and the exit status 0
+when the device started, else `health: ...` and exit status 1: a health check (a
+Kubernetes probe, a CI step) can run it as it is.
 """
 from __future__ import annotations
 
@@ -66,6 +68,18 @@ def diagnosis() -> list[tuple[str, str]]:
     return facts
 
 
+def health(facts: list[tuple[str, str]]) -> str:
+    """`ok`, or why the device cannot be used, from diagnosis()'s facts: it prints a device that cannot start
+    (a bad TORCH_PJRT_PLUGIN, a plugin that fails to load or to create its client) instead of raising."""
+    named = dict(facts)
+    for failure in ("device error", "unavailable"):
+        if failure in named:
+            return named[failure]
+    if named.get("devices", "").startswith("0 "):
+        return "the plugin has no devices"
+    return "ok"
+
+
 def settings_markdown() -> str:
     """The settings table as docs/settings.md has it (a test keeps the two equal)."""
     from torch_pjrt import _settings
@@ -79,8 +93,12 @@ def main() -> None:
     if sys.argv[1:] == ["--settings"]:
         print(settings_markdown(), end="")
         return
-    for name, value in diagnosis():
+    facts = diagnosis()
+    for name, value in facts:
         print(f"{name}: {value}")
+    status = health(facts)
+    print(f"health: {status}")
+    sys.exit(0 if status == "ok" else 1)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,18 @@ script does not change (see docs/design/distributed.md, "accelerate and the HF T
   CPU plugin every process owns tpu:0; accelerate assumes the CUDA layout, local rank r on device r).
 - `accelerate launch --num_processes N` with one visible device runs N processes (each process opens its own
   devices), where accelerate would start a single one.
-- DynamoBackend gets TPU: Trainer(torch_compile_backend="tpu") / `--dynamo_backend tpu`.
+- DynamoBackend gets TPU: Trainer(torch_compile_backend="tpu"); the launcher's own DYNAMO_BACKENDS list (its
+  argparse choices) too, so `accelerate launch --dynamo_backend tpu` is accepted.
 - The safety net: a process on `tpu` with WORLD_SIZE > 1 that accelerate left non-distributed raises.
 - accelerate refuses fp16 on `tpu` inside Accelerator.__init__ (it assumes TorchTPU's missing GradScaler op);
   that check cannot be reached from outside, so the refusal is re-raised with the working alternatives.
 
-Nothing here imports accelerate: a post-import hook on sys.meta_path patches its modules as they load.
+Nothing here imports accelerate: a post-import hook on sys.meta_path patches its modules as they load, and
+install() patches those already loaded. torch_pjrt is often imported in the middle of accelerate's own import
+(`import accelerate` imports torch from accelerate.accelerator, and an installed torch_pjrt loads with torch), so
+a module still initializing is patched as soon as it has finished (see _Finder). `python -m
+accelerate.commands.launch` runs the launcher as __main__ (runpy never calls exec_module): _PatchingLoader.get_code
+runs the patched module instead.
 """
 from __future__ import annotations
 
@@ -75,21 +81,29 @@ def _add_enum_member(cls, name: str, value: str) -> None:
 # -- the patches, one per accelerate module --------------------------------------------------------------
 
 
-def _patch_tables() -> None:
-    """The device table and the enums (accelerate.utils.constants and .dataclasses, loaded by accelerate.state)."""
-    constants = sys.modules.get("accelerate.utils.constants")
-    dataclasses = sys.modules.get("accelerate.utils.dataclasses")
-    if constants is not None and torch.distributed.is_available():
-        constants.TORCH_DISTRIBUTED_BACKENDS.setdefault("tpu", _BACKEND)
-    if dataclasses is not None:
-        DistributedType = dataclasses.DistributedType
-        # _prepare_backend's DistributedType("MULTI_TPU") finds the generic accelerator type.
-        DistributedType._value2member_map_.setdefault("MULTI_TPU", DistributedType.MULTI_GPU)
-        _add_enum_member(dataclasses.DynamoBackend, "TPU", "TPU")
+def _patch_constants(module) -> None:
+    """accelerate.utils.constants: the device table (mutated in place: accelerate's other modules hold the dict)."""
+    if torch.distributed.is_available():
+        module.TORCH_DISTRIBUTED_BACKENDS.setdefault("tpu", _BACKEND)
+
+
+def _patch_dataclasses(module) -> None:
+    """accelerate.utils.dataclasses: the enums."""
+    DistributedType = module.DistributedType
+    # _prepare_backend's DistributedType("MULTI_TPU") finds the generic accelerator type.
+    DistributedType._value2member_map_.setdefault("MULTI_TPU", DistributedType.MULTI_GPU)
+    _add_enum_member(module.DynamoBackend, "TPU", "TPU")
+
+
+def _patch_config_utils(module) -> None:
+    """accelerate.commands.config.config_utils: DYNAMO_BACKENDS, the list `accelerate launch --dynamo_backend`
+    takes its argparse choices from (a list of its own, not the enum); extended in place before any parser is
+    built, so `--dynamo_backend tpu` is accepted."""
+    if "TPU" not in module.DYNAMO_BACKENDS:
+        module.DYNAMO_BACKENDS.append("TPU")
 
 
 def _patch_state(module) -> None:
-    _patch_tables()
     PartialState = module.PartialState
     DistributedType = module.DistributedType
 
@@ -106,6 +120,7 @@ def _patch_state(module) -> None:
 
     def make_init(original):
         def __init__(self, cpu: bool = False, **kwargs):
+            _apply_finished()  # accelerate.accelerator, if no import came after its own (see _Finder)
             original(self, cpu, **kwargs)
             world = _world_size()
             if world > 1 and self.distributed_type == DistributedType.NO and not cpu \
@@ -138,7 +153,6 @@ def _patch_state(module) -> None:
 
 
 def _patch_accelerator(module) -> None:
-    _patch_tables()
     Accelerator = module.Accelerator
 
     def make_prepare_model(original):
@@ -175,8 +189,6 @@ def _patch_accelerator(module) -> None:
 
 
 def _patch_launch(module) -> None:
-    _patch_tables()
-
     def make_validate(original):
         def _validate_launch_command(args):
             args, defaults, mp_from_config = original(args)
@@ -192,7 +204,10 @@ def _patch_launch(module) -> None:
     _wrap(module, "_validate_launch_command", make_validate)
 
 
-_PATCHES = {
+_PATCHES = {  # module -> its patch, run right after the module's own code
+    "accelerate.utils.constants": _patch_constants,
+    "accelerate.utils.dataclasses": _patch_dataclasses,
+    "accelerate.commands.config.config_utils": _patch_config_utils,
     "accelerate.state": _patch_state,
     "accelerate.accelerator": _patch_accelerator,
     "accelerate.commands.launch": _patch_launch,
@@ -207,6 +222,34 @@ def _apply(name: str, module) -> None:
                       "through accelerate may not work on tpu", RuntimeWarning, stacklevel=2)
 
 
+_waiting: set[str] = set()  # modules found mid-import by install(), patched once they have finished
+
+
+def _initializing(module) -> bool:
+    # importlib's own flag (read by its module locking) for a module whose code is still running.
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _apply_finished() -> None:
+    """Patches the waiting modules that have finished initializing."""
+    for name in [n for n in _waiting if not _initializing(sys.modules.get(n))]:
+        _waiting.discard(name)
+        if name in sys.modules:
+            _apply(name, sys.modules[name])
+
+
+# What `python -m <patched module>` runs as __main__: the module imported under its own name (so patched), its
+# names in __main__, and its main guard. Only the launcher has one.
+_RUN_AS_MAIN = {"accelerate.commands.launch"}
+_MAIN_CODE = """
+import importlib
+_module = importlib.import_module({name!r})
+globals().update((k, v) for k, v in vars(_module).items() if not k.startswith("__"))
+if __name__ == "__main__":
+    _module.main()
+"""
+
+
 class _PatchingLoader(importlib.abc.Loader):
     def __init__(self, loader, name):
         self._loader, self._name = loader, name
@@ -218,14 +261,27 @@ class _PatchingLoader(importlib.abc.Loader):
         self._loader.exec_module(module)
         _apply(self._name, module)
 
+    def get_code(self, fullname):
+        # Only runpy (`python -m`) asks this loader for code: imports go through exec_module, whose inner
+        # loader reads its own code. Run as __main__, the module's code would call main() before any patch.
+        if fullname in _RUN_AS_MAIN:
+            return compile(_MAIN_CODE.format(name=fullname), f"<torch_pjrt: python -m {fullname}>", "exec")
+        return self._loader.get_code(fullname)
+
     def __getattr__(self, attr):  # get_source, get_resource_reader, ...: the real loader's
         return getattr(self._loader, attr)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds the patched modules through the other finders and runs the patch after the module's own code."""
+    """Finds the patched modules through the other finders and runs the patch after the module's own code.
+
+    Every import of a module not yet loaded asks this finder first, so it is also where a module that install()
+    found mid-import (accelerate.accelerator when accelerate's import brings in torch, and torch torch_pjrt) gets
+    its patch: accelerate's next import comes after it has finished."""
 
     def find_spec(self, name, path, target=None):
+        if _waiting:
+            _apply_finished()
         if name not in _PATCHES:
             return None
         for finder in sys.meta_path:
@@ -242,10 +298,14 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Patches the accelerate modules already imported and those imported later."""
+    """Patches the accelerate modules already imported (or once they finish importing) and those imported later."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
     for name in _PATCHES:
         module = sys.modules.get(name)
-        if module is not None:
+        if module is None:
+            continue
+        if _initializing(module):
+            _waiting.add(name)  # its classes are not defined yet: patching now is the circular import
+        else:
             _apply(name, module)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import torch
@@ -34,12 +35,29 @@ def _env(tmp_path, mode="fused"):
     return env
 
 
+def _installed(tmp_path, env):
+    """env as after `pip install`: torch_pjrt's entry points (pyproject.toml) on the path, so that `import torch`
+    loads it wherever that happens first, in the launcher too (there inside accelerate's own import)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        groups = tomllib.load(f)["project"]["entry-points"]
+    info = tmp_path / "site" / "torch_pjrt-0.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_pjrt\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in entries.items())
+        for group, entries in groups.items()))
+    env["PYTHONPATH"] = os.pathsep.join([str(info.parent), env["PYTHONPATH"]])
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    return env
+
+
 def _run(cmd, env, nproc):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT rank=")]
     assert proc.returncode == 0 and len(results) == nproc, f"exit {proc.returncode}\n{out[-6000:]}"
     assert all("failures=0" in r for r in results), out[-6000:]
+    assert "could not adapt" not in out, out[-6000:]
     return results
 
 
@@ -59,15 +77,48 @@ def test_trainer_torchrun_2_processes_equals_1_process_compiled(tmp_path):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-def test_accelerate_launch_num_processes_2_is_data_parallel(tmp_path):
-    """`accelerate launch --num_processes 2` with one visible tpu device runs 2 processes (accelerate alone would run
-    one), each in DDP, matching one CPU process on the global batch (checked in the script). The launcher process
-    imports torch_pjrt first, as `import torch` does when torch_pjrt is installed."""
-    launcher = ("import sys, torch_pjrt; from accelerate.commands.launch import main; "
-                "sys.argv[0] = 'accelerate-launch'; main()")
-    results = _run([sys.executable, "-c", launcher, "--num_processes", "2", "--main_process_port", "0", SCRIPT,
-                    "--api", "accelerate"], _env(tmp_path, mode="strict"), 2)
-    assert all("type=MULTI_GPU processes=2" in r for r in results), results
+def test_python_m_accelerate_launch_num_processes_2_is_data_parallel_and_compiled(tmp_path):
+    """`python -m accelerate.commands.launch --num_processes 2 --dynamo_backend tpu` with one visible tpu device
+    and torch_pjrt installed runs 2 processes (accelerate alone would run one; as __main__ the launcher is no
+    module import), each in DDP on its own tpu:0 and compiled by the `tpu` backend, matching one CPU process on
+    the global batch (checked in the script). The script begins with accelerate, so torch_pjrt loads in the middle
+    of accelerate's import, in the launcher and in both ranks, and must adapt it all the same."""
+    env = _installed(tmp_path, _env(tmp_path, mode="strict"))
+    results = _run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+                    "--main_process_port", "0", "--dynamo_backend", "tpu", SCRIPT,
+                    "--api", "accelerate", "--accelerate-first", "--compile"], env, 2)
+    assert all("type=MULTI_GPU processes=2 device=tpu:0" in r for r in results), results
+
+
+CLI_PROBE = """
+import sys
+import accelerate.commands.launch as launch
+from accelerate import Accelerator, PartialState
+from accelerate.commands.accelerate_cli import main
+
+assert "torch_pjrt" in sys.modules, "accelerate's import torch did not load torch_pjrt"
+patched = (Accelerator.__init__, Accelerator.prepare_model, PartialState.__init__, PartialState.set_device)
+print("PATCHED", all(getattr(f, "_torch_pjrt_wrapped", False) for f in patched))
+launch.multi_gpu_launcher = lambda args: print("LAUNCH multi_gpu", args.num_processes, args.dynamo_backend)
+launch.simple_launcher = lambda args: print("LAUNCH one process")
+sys.argv = ["accelerate", "launch", "--num_processes", "2", "--dynamo_backend", "tpu", "train.py"]
+main()
+"""
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_accelerate_cli_launch_picks_multi_process_and_takes_dynamo_backend_tpu(tmp_path):
+    """The `accelerate launch` console script's path (accelerate_cli.main), torch_pjrt installed and so loaded in
+    the middle of accelerate's import: every class patched without a warning, `--dynamo_backend tpu` accepted,
+    and `--num_processes 2` taken to the multi-process launcher (stubbed: nothing is started)."""
+    env = _installed(tmp_path, _env(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", CLI_PROBE], env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "could not adapt" not in out, out[-4000:]
+    assert "PATCHED True" in proc.stdout, out[-4000:]
+    assert "LAUNCH multi_gpu 2 tpu" in proc.stdout, out[-4000:]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)

@@ -24,12 +24,12 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 in_one_pass = pytest.mark.modes_inside
 
 
-def run_python(code_or_args, cwd, pythonpath, **env):
+def run_python(code_or_args, cwd, pythonpath, returncode=0, **env):
     args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
     environ.update(PYTHONPATH=os.pathsep.join(pythonpath), **env)
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -112,10 +112,25 @@ def test_python_m_torch_pjrt_prints_a_diagnosis(tmp_path):
     assert fields["devices"].startswith(f"{torch.tpu.device_count()} (tpu:0")
     assert fields["torch"].startswith(torch.__version__ + " ")
     assert fields["mode"] == "strict"
+    assert fields["health"] == "ok"  # and exit status 0 (run_python)
     assert os.path.samefile(fields["torch_pjrt"], os.path.dirname(torch_pjrt.__file__))
     files, size = re.fullmatch(r".* \((\d+) files, (\d+) bytes\)", fields["compile cache"]).groups()
     assert fields["compile cache"].startswith(str(cache))
     assert (int(files), int(size)) == (1, 1234)
+
+
+@in_one_pass
+def test_python_m_torch_pjrt_exits_1_when_the_plugin_cannot_load(tmp_path):
+    """A health check: a file that is no plugin (found, so only starting the device fails) gives exit status 1,
+    the diagnosis still printed and the reason on the last line. Bad settings: the test below."""
+    not_a_plugin = tmp_path / "not_a_plugin.so"
+    not_a_plugin.write_bytes(b"not a shared library")
+    out = run_python(["-m", "torch_pjrt"], cwd=tmp_path, pythonpath=[PYTHON_DIR], returncode=1,
+                     TORCH_PJRT_PLUGIN=str(not_a_plugin))
+    fields = diagnosis_fields(out)
+    assert fields["plugin variable"] == f"TORCH_PJRT_PLUGIN={not_a_plugin}"
+    assert "could not load PJRT plugin" in fields["health"], out
+    assert out.splitlines()[-1].startswith("health: ")
 
 
 def build_is_up_to_date(build_dir):
@@ -238,9 +253,10 @@ def test_a_bad_setting_warns_at_import_torch_and_leaves_tpu_unavailable(tmp_path
     assert "loaded True" in out and "warned True" in out and "available False" in out, out
     raised = re.search(r"^raises (.*)$", out, re.M).group(1)
     assert f"{name}={value!r}" in raised, raised  # the error names the setting
-    out = run_python(["-m", "torch_pjrt"], cwd=tmp_path, pythonpath=[PYTHON_DIR], **setting)
+    out = run_python(["-m", "torch_pjrt"], cwd=tmp_path, pythonpath=[PYTHON_DIR], returncode=1, **setting)
     fields = diagnosis_fields(out)
     assert f"{name}={value!r}" in fields["unavailable"]
+    assert f"{name}={value!r}" in fields["health"]  # the last line of a failed health check
     assert fields["torch_pjrt version"] == torch_pjrt.__version__
 
 

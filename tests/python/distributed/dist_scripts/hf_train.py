@@ -6,12 +6,19 @@
   the final parameters to --out, which the test compares between a 2-process and a 1-process run.
 
 Both check that accelerate set the process up distributed when WORLD_SIZE > 1 (tpu_dist, DDP, the world size).
+--accelerate-first imports accelerate before torch, as a script beginning `from accelerate import Accelerator`.
 Run by tests/python/distributed/test_accelerate_launch.py. Prints "RESULT rank=R ..." and exits 1 on a failure.
 """
 import argparse
 import json
 import os
 import sys
+
+if "--accelerate-first" in sys.argv:
+    # A script that starts with accelerate: an installed torch_pjrt then loads in the middle of accelerate's own
+    # import (accelerate.accelerator imports torch, which loads it), before accelerate's classes exist.
+    from accelerate import Accelerator  # noqa: F401
+    AUTOLOADED = "torch_pjrt" in sys.modules
 
 import torch
 
@@ -21,7 +28,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--api", choices=["accelerate", "trainer"], required=True)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--out", default="")
-parser.add_argument("--compile", action="store_true", help="Trainer(torch_compile_backend='tpu')")
+parser.add_argument("--compile", action="store_true",
+                    help="trainer: Trainer(torch_compile_backend='tpu'); accelerate: check that the launcher's "
+                         "`--dynamo_backend tpu` compiled the model")
+parser.add_argument("--accelerate-first", action="store_true",
+                    help="import accelerate before torch (check that torch_pjrt was autoloaded by it)")
 args = parser.parse_args()
 
 GLOBAL_BATCH = 8
@@ -89,6 +100,10 @@ def run_accelerate(failures):
                                          batch_size=GLOBAL_BATCH // accelerator.num_processes)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     check_distributed(accelerator.state, model, failures)
+    if args.compile:
+        backend = accelerator.state.dynamo_plugin.backend
+        if backend.value != "TPU" or not hasattr(model, "_orig_mod"):
+            failures.append(f"dynamo backend {backend}, model a {type(model).__name__}: not compiled with tpu")
     losses = []
     for x, y in loader:
         loss = model(x, y)["loss"]
@@ -146,6 +161,8 @@ def run_trainer(failures):
 
 
 failures = []
+if args.accelerate_first and not AUTOLOADED:
+    failures.append("`from accelerate import Accelerator` did not load torch_pjrt (is it installed?)")
 accelerator, losses = (run_accelerate if args.api == "accelerate" else run_trainer)(failures)
 rank = accelerator.process_index
 for f in failures:
