@@ -245,3 +245,39 @@ def test_wrapper_refuses_a_process_outside_the_slice():
     with pytest.raises(SystemExit, match="JOB_COMPLETION_INDEX"):
         k8s_env.main(["--kind=tpu", "--topology=2x2", "--hosts=a", "--", "c.yaml"],
                      {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, execvpe=None)
+
+
+# ---- image recipe (docker/Dockerfile; no Docker here, so what can be checked without building) -------------
+def _dockerfile():
+    text = open(os.path.join(ROOT, "docker", "Dockerfile")).read()
+    return re.sub(r"\\\n", " ", text)  # continuation lines joined
+
+
+def test_image_recipe_pins_and_shell():
+    text = _dockerfile()
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    for package in ("torch", "xla-cpu-pjrt"):  # the versions the project builds and tests with
+        pinned = set(re.findall(rf"\b{package}==([\w.]+)", makefile))
+        assert len(pinned) == 1, (package, pinned)
+        in_image = set(re.findall(rf"ARG {package.upper()}_VERSION=([\w.]+)", text)) | \
+            set(re.findall(rf"\b{package}==([\w.]+)", text))
+        assert in_image == pinned, (package, in_image, pinned)
+    for line in text.splitlines():
+        if line.startswith("RUN "):  # each RUN is shell: at least its syntax must hold
+            proc = subprocess.run(["sh", "-n", "-c", line[4:]], capture_output=True, text=True)
+            assert proc.returncode == 0, (line, proc.stderr)
+    ignored = open(os.path.join(ROOT, "docker", "Dockerfile.dockerignore")).read().split()
+    assert "build" in ignored and "**/*.so" in ignored  # setup.py would reuse a host's configured build/
+
+
+@pytest.mark.parametrize("plugin,package", [("tpu", "libtpu"), ("cuda", "jax[cuda12]")])
+def test_image_installs_the_package_the_plugin_lookup_names(plugin, package):
+    """The package the image installs per plugin is the one torch_pjrt._plugins asks for when it is missing."""
+    from torch_pjrt import _plugins
+    assert f'package={package}' in _dockerfile().replace('"', "")
+    try:
+        _plugins.find_plugin(plugin)
+    except RuntimeError as e:
+        assert f"pip install {package}" in str(e)
+    else:
+        pytest.skip(f"the {plugin} plugin is installed here")
