@@ -65,12 +65,20 @@ def torchrun_command(cfg, local: bool, config_path=None, overrides=(), rdzv_host
 
 
 # ---- consistency ---------------------------------------------------------------------------------------
+def _host_size_fits(accelerator: str, per_host: int, chips: int) -> bool:
+    """Whether hosts of `per_host` chips can make a slice of `chips` chips of that TPU type."""
+    if chips % per_host:
+        return False
+    if accelerator not in TPU_TYPES:
+        return True
+    return per_host in TPU_TYPES[accelerator][1] and (per_host == chips or per_host == MULTI_HOST_CHIPS_PER_HOST)
+
+
 def _slice_hint(lc, chips: int) -> str:
-    """' (for example launch.nodes=N launch.procs_per_node=P)' for a slice of `chips` chips, or ''."""
-    per_host = TPU_TYPES.get(lc.tpu_accelerator, (0, (lc.procs_per_node,)))[1]
-    shapes = [(chips // p, p) for p in sorted(per_host, key=lambda p: p != lc.procs_per_node)
-              if chips % p == 0 and (chips == p or p == MULTI_HOST_CHIPS_PER_HOST or lc.tpu_accelerator not in TPU_TYPES)]
-    return f" (for example launch.nodes={shapes[0][0]} launch.procs_per_node={shapes[0][1]})" if shapes else ""
+    """' (for example launch.nodes=N launch.procs_per_node=P)': a shape of `chips` chips, this procs_per_node first."""
+    sizes = [lc.procs_per_node, *TPU_TYPES.get(lc.tpu_accelerator, (0, ()))[1]]
+    fits = [p for p in sizes if _host_size_fits(lc.tpu_accelerator, p, chips)]
+    return f" (for example launch.nodes={chips // fits[0]} launch.procs_per_node={fits[0]})" if fits else ""
 
 
 def _check_tpu_slice(lc) -> None:

@@ -50,9 +50,12 @@ def _expand(command, values):
 
 
 def _wrapper_args(command):
-    """The arguments torchrun passes to k8s_env (after `-m torch_pjrt.train.k8s_env`)."""
-    i = command.index(k8s.ENTRY_MODULE)
-    return k8s_env._parser().parse_args(command[i + 1:])
+    """k8s_env's parsed arguments, as torchrun's own parser hands them on from the pod's command."""
+    from torch.distributed.run import get_args_parser
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    torchrun = get_args_parser().parse_args(command[3:])
+    assert torchrun.module and torchrun.training_script == k8s.ENTRY_MODULE
+    return k8s_env._parser().parse_args(torchrun.training_script_args)
 
 
 # ---- outputs -------------------------------------------------------------------------------------------
