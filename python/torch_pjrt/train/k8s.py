@@ -2,36 +2,56 @@
 
 - `torchrun_command`: one process per chip (launch.procs_per_node) on each of the hosts; locally
   `--standalone`, on a cluster a c10d rendezvous at the JobSet's first pod.
-- `manifests`: a ConfigMap holding the config, and a JobSet (jobset.x-k8s.io/v1alpha2) whose
+- `check_launch`: refuses settings that cannot run (ConfigError naming the keys): a TPU slice's chips vs
+  hosts x processes per host, processes per host vs the chips of GKE's TPU hosts, the mesh vs the world size.
+- `cluster_config`: the config the pods run: every output (OUTPUT_KEYS) on the shared volume.
+- `manifests`: a ConfigMap holding that config, and a JobSet (jobset.x-k8s.io/v1alpha2) whose
   replicated Job runs one pod per host: on TPU one Job per slice with `google.com/tpu` chips and the
-  GKE TPU node selectors, on GPU one Job over the node pool with `nvidia.com/gpu`. Every pod gets
-  TORCH_PJRT_PLUGIN and TORCH_PJRT_CACHE_DIR on a shared ReadWriteMany volume (checkpoints and logs
-  go there too), so a program compiled by one host is loaded by the others.
+  GKE TPU node selectors, on GPU one Job over the node pool with `nvidia.com/gpu`. torchrun starts each
+  process through `torch_pjrt.train.k8s_env`, which gives it its own chip (libtpu's per-process
+  variables) or GPU (CUDA_VISIBLE_DEVICES). Every pod gets TORCH_PJRT_PLUGIN and TORCH_PJRT_CACHE_DIR on
+  the shared ReadWriteMany volume, so a program compiled by one host is loaded by the others.
 - `validate`: checks a manifest's Kubernetes parts field by field against the `kubernetes` Python
   client's models (unknown field or wrong type raises), the JobSet's own fields against its schema.
 """
 from __future__ import annotations
 
+import copy
+import math
 import os
 import sys
 
 import yaml
 
-from .config import to_dict
+from .config import ConfigError, to_dict
+from .k8s_env import CHIPS_PER_HOST_BOUNDS, parse_topology
 
-__all__ = ["torchrun_command", "manifests", "write_manifests", "validate"]
+__all__ = ["torchrun_command", "check_launch", "cluster_config", "manifests", "write_manifests", "validate",
+           "OUTPUT_KEYS", "INPUT_KEYS"]
 
 CONFIG_MOUNT = "/etc/torch_pjrt"
 SHARED_MOUNT = "/shared"
-# chips per host of GKE TPU node pools (v5e/v6e single-host pools may use 1 or 4 too: set procs_per_node)
-_TPU_CHIPS_PER_HOST = 4
+# Every config key the trainer writes under, and its directory in the run's folder on the shared volume:
+# a pod's own disk is lost when it ends. checkpoint.export stays off ('') when the config leaves it off.
+OUTPUT_KEYS = {"checkpoint.dir": "checkpoints", "checkpoint.export": "export", "log.dir": "logs"}
+# Paths the trainer only reads: they must exist in the image or on the shared volume (docs/gke.md).
+INPUT_KEYS = ("model.name", "model.init_from", "data.source", "data.tokenizer")
+# GKE TPU accelerators (cloud.google.com/gke-tpu-accelerator): topology dimensions, and the chips per
+# host its node pools offer (multi-host slices always use 4-chip hosts). Others are checked only for
+# chips == hosts x processes.
+TPU_TYPES = {"tpu-v4-podslice": (3, (4,)), "tpu-v5p-slice": (3, (4,)),
+             "tpu-v5-lite-podslice": (2, (1, 4, 8)), "tpu-v6e-slice": (2, (1, 4, 8))}
+MULTI_HOST_CHIPS_PER_HOST = 4
+ENTRY_MODULE = "torch_pjrt.train.k8s_env"
 
 
 def _hosts(cfg) -> int:
     return cfg.launch.nodes * (cfg.launch.slices if cfg.launch.kind == "tpu" else 1)
 
 
-def torchrun_command(cfg, local: bool, config_path=None, overrides=(), rdzv_host: str = "") -> list[str]:
+def torchrun_command(cfg, local: bool, config_path=None, overrides=(), rdzv_host: str = "",
+                     wrapper_args=None) -> list[str]:
+    """wrapper_args (a list): start each process through k8s_env with these arguments, then `--`."""
     lc = cfg.launch
     cmd = [sys.executable if local else "python", "-m", "torch.distributed.run", f"--nproc-per-node={lc.procs_per_node}"]
     if local:
@@ -39,29 +59,137 @@ def torchrun_command(cfg, local: bool, config_path=None, overrides=(), rdzv_host
     else:
         cmd += [f"--nnodes={_hosts(cfg)}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{lc.port}",
                 f"--rdzv-id={cfg.run_name}"]
-    cmd += ["-m", "torch_pjrt.train"] + ([config_path] if config_path else []) + list(overrides)
+    entry = ["torch_pjrt.train"] if wrapper_args is None else [ENTRY_MODULE, *wrapper_args, "--"]
+    cmd += ["-m", *entry] + ([config_path] if config_path else []) + list(overrides)
     return cmd
 
 
+# ---- consistency ---------------------------------------------------------------------------------------
+def _host_size_fits(accelerator: str, per_host: int, chips: int) -> bool:
+    """Whether hosts of `per_host` chips can make a slice of `chips` chips of that TPU type."""
+    if chips % per_host:
+        return False
+    if accelerator not in TPU_TYPES:
+        return True
+    return per_host in TPU_TYPES[accelerator][1] and (per_host == chips or per_host == MULTI_HOST_CHIPS_PER_HOST)
+
+
+def _slice_hint(lc, chips: int) -> str:
+    """' (for example launch.nodes=N launch.procs_per_node=P)': a shape of `chips` chips, this procs_per_node first."""
+    sizes = [lc.procs_per_node, *TPU_TYPES.get(lc.tpu_accelerator, (0, ()))[1]]
+    fits = [p for p in sizes if _host_size_fits(lc.tpu_accelerator, p, chips)]
+    return f" (for example launch.nodes={chips // fits[0]} launch.procs_per_node={fits[0]})" if fits else ""
+
+
+def _check_tpu_slice(lc) -> None:
+    try:
+        bounds = parse_topology(lc.tpu_topology)
+    except ValueError as e:
+        raise ConfigError(f"config key 'launch.tpu_topology': {e}") from None
+    chips = math.prod(bounds)
+    setting = (f"launch.tpu_topology={lc.tpu_topology} is {chips} chip(s) per slice, launch.nodes={lc.nodes} x "
+               f"launch.procs_per_node={lc.procs_per_node} is {lc.nodes * lc.procs_per_node} process(es)")
+    if chips != lc.nodes * lc.procs_per_node:
+        raise ConfigError(f"config keys 'launch.tpu_topology', 'launch.nodes', 'launch.procs_per_node': {setting}; "
+                          f"one process per chip needs them equal{_slice_hint(lc, chips)}")
+    known = TPU_TYPES.get(lc.tpu_accelerator)
+    if known is None:
+        return
+    ndims, per_host = known
+    if len(lc.tpu_topology.lower().split("x")) != ndims:
+        raise ConfigError(f"config keys 'launch.tpu_topology', 'launch.tpu_accelerator': {lc.tpu_accelerator} "
+                          f"topologies have {ndims} dimensions, got {lc.tpu_topology!r}")
+    allowed = (MULTI_HOST_CHIPS_PER_HOST,) if lc.nodes > 1 else per_host
+    if lc.procs_per_node not in allowed:
+        shape = "multi-host " if lc.nodes > 1 else ""
+        raise ConfigError(f"config keys 'launch.procs_per_node', 'launch.nodes': {shape}{lc.tpu_accelerator} hosts "
+                          f"have {' or '.join(map(str, allowed))} chips, and the trainer runs one process per chip; "
+                          f"{setting}")
+    host = CHIPS_PER_HOST_BOUNDS[lc.procs_per_node]
+    if any(b % h for b, h in zip(bounds, host)):
+        raise ConfigError(f"config key 'launch.tpu_topology': {lc.tpu_topology} is not made of hosts of "
+                          f"{'x'.join(map(str, host))} chips")
+
+
+def _check_mesh(cfg) -> None:
+    world, m = _hosts(cfg) * cfg.launch.procs_per_node, cfg.mesh
+    inner = m.fsdp * m.tensor
+    data = m.data if m.data != -1 else world // inner
+    hosts = "launch.nodes x launch.slices" if cfg.launch.kind == "tpu" else "launch.nodes"
+    if data < 1 or data * inner != world:
+        raise ConfigError(f"config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': data={m.data} x fsdp={m.fsdp} x "
+                          f"tensor={m.tensor} does not make the world size {world} ({hosts} = {_hosts(cfg)} host(s) x "
+                          f"launch.procs_per_node={cfg.launch.procs_per_node})")
+    dp, d = data * m.fsdp, cfg.data
+    if d.global_batch % d.grad_accum or (d.global_batch // d.grad_accum) % dp:
+        raise ConfigError(f"config key 'data.global_batch': {d.global_batch} is not data.grad_accum={d.grad_accum} x a "
+                          f"multiple of the {dp} data-parallel ranks of the launch")
+
+
+def check_launch(cfg) -> None:
+    """Raises ConfigError naming the keys when the launch section cannot run as configured."""
+    if cfg.launch.kind == "tpu":
+        _check_tpu_slice(cfg.launch)
+    _check_mesh(cfg)
+
+
+# ---- manifests -----------------------------------------------------------------------------------------
 def _name(cfg) -> str:
     name = "".join(c if c.isalnum() else "-" for c in cfg.run_name.lower()).strip("-")
     return (name or "run")[:40]
 
 
+def _set_key(cfg, key: str, value) -> None:
+    section, field_name = key.split(".")
+    setattr(getattr(cfg, section), field_name, value)
+
+
+def _get_key(cfg, key: str):
+    section, field_name = key.split(".")
+    return getattr(getattr(cfg, section), field_name)
+
+
+def cluster_config(cfg):
+    """A copy of cfg whose outputs all go to the run's folder on the shared volume (no progress bar in logs)."""
+    out, shared = copy.deepcopy(cfg), f"{SHARED_MOUNT}/{_name(cfg)}"
+    for key, folder in OUTPUT_KEYS.items():
+        if key == "checkpoint.export" and not _get_key(cfg, key):
+            continue  # export off stays off; checkpoints are always kept (a restarted JobSet resumes from them)
+        _set_key(out, key, f"{shared}/{folder}")
+    out.log.progress = False
+    return out
+
+
+# The JobSet's index of a pod's Job (its slice on TPU), from the pod's labels through the downward API;
+# Kubernetes expands $(JOBSET_JOB_INDEX) in the container's command.
+_JOB_INDEX_ENV = {"name": "JOBSET_JOB_INDEX",
+                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}}
+
+
+def _wrapper_args(cfg, name: str, job_name: str) -> list[str]:
+    lc = cfg.launch
+    if lc.kind == "gpu":
+        return ["--kind=gpu"]
+    # JobSet's headless service names pod i of Job j <jobset>-<job>-<j>-<i>.<jobset>; one host: itself
+    hosts = ["localhost"] if lc.nodes == 1 else \
+        [f"{name}-{job_name}-$(JOBSET_JOB_INDEX)-{i}.{name}" for i in range(lc.nodes)]
+    return ["--kind=tpu", f"--topology={lc.tpu_topology}", f"--hosts={','.join(hosts)}"]
+
+
 def manifests(cfg) -> list[dict]:
+    check_launch(cfg)
     lc, name = cfg.launch, _name(cfg)
     job_name = "slice" if lc.kind == "tpu" else "workers"
     # JobSet's headless service (named after the JobSet) gives pod <jobset>-<job>-<index>-<completion>.<jobset>
     rdzv_host = f"{name}-{job_name}-0-0.{name}"
-    shared = f"{SHARED_MOUNT}/{name}"
-    overrides = [f"checkpoint.dir={shared}/checkpoints", f"log.dir={shared}/logs", "log.progress=false"]
-    command = torchrun_command(cfg, local=False, config_path=f"{CONFIG_MOUNT}/config.yaml", overrides=overrides,
-                               rdzv_host=rdzv_host)
+    command = torchrun_command(cfg, local=False, config_path=f"{CONFIG_MOUNT}/config.yaml", rdzv_host=rdzv_host,
+                               wrapper_args=_wrapper_args(cfg, name, job_name))
     plugin = "tpu" if lc.kind == "tpu" else "cuda"
     env = [{"name": "TORCH_PJRT_PLUGIN", "value": plugin},
            {"name": "TORCH_PJRT_CACHE_DIR", "value": f"{SHARED_MOUNT}/compile-cache"},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
     if lc.kind == "tpu":
+        env.append(_JOB_INDEX_ENV)
         resource = {"google.com/tpu": str(lc.procs_per_node)}
         node_selector = {"cloud.google.com/gke-tpu-accelerator": lc.tpu_accelerator,
                          "cloud.google.com/gke-tpu-topology": lc.tpu_topology}
@@ -105,19 +233,19 @@ def manifests(cfg) -> list[dict]:
     }
     configmap = {"apiVersion": "v1", "kind": "ConfigMap",
                  "metadata": {"name": f"{name}-config", "namespace": lc.namespace},
-                 "data": {"config.yaml": yaml.safe_dump(to_dict(cfg), sort_keys=False)}}
+                 "data": {"config.yaml": yaml.safe_dump(to_dict(cluster_config(cfg)), sort_keys=False)}}
     return [configmap, jobset]
 
 
 def write_manifests(cfg, out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{_name(cfg)}.yaml")
-    docs = manifests(cfg)
+    docs = manifests(cfg)  # ConfigError before anything is written
     try:
         for d in docs:
             validate(d)
     except ImportError:
         pass  # the kubernetes client is optional here; the tests have it
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{_name(cfg)}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump_all(docs, f, sort_keys=False)
     return [path]

@@ -201,17 +201,17 @@ def _pod(doc):
 def test_k8s_manifests_validate(kind, tmp_path):
     pytest.importorskip("kubernetes")
     import yaml
-    cfg = load_config(os.path.join(ROOT, "examples", "train_llama_tiny.yaml"),
-                      [f"launch.kind={kind}", "launch.nodes=2", "launch.procs_per_node=4", "launch.slices=2"])
-    assert main([os.path.join(ROOT, "examples", "train_llama_tiny.yaml"), f"launch.kind={kind}", "launch.nodes=2",
-                 "launch.procs_per_node=4", "launch.slices=2", "--k8s", str(tmp_path)]) == 0
+    launch = [f"launch.kind={kind}", "launch.nodes=2", "launch.procs_per_node=4", "launch.slices=2",
+              "launch.tpu_topology=2x2x2", "data.global_batch=16"]  # 2 v5p hosts per slice; 16 or 8 ranks
+    cfg = load_config(os.path.join(ROOT, "examples", "train_llama_tiny.yaml"), launch)
+    assert main([os.path.join(ROOT, "examples", "train_llama_tiny.yaml"), *launch, "--k8s", str(tmp_path)]) == 0
     configmap, jobset = yaml.safe_load_all((tmp_path / "llama-tiny.yaml").read_text())
     assert [configmap, jobset] == k8s.manifests(cfg)
     for doc in (configmap, jobset):
         k8s.validate(doc)
     pod = _pod(jobset)
     container = pod["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TORCH_PJRT_PLUGIN"] == ("tpu" if kind == "tpu" else "cuda")
     assert env["TORCH_PJRT_CACHE_DIR"].startswith(k8s.SHARED_MOUNT)
     assert any(v.get("persistentVolumeClaim") for v in pod["volumes"])
@@ -229,7 +229,7 @@ def test_k8s_manifests_validate(kind, tmp_path):
 
 def test_k8s_validation_catches_wrong_fields():
     pytest.importorskip("kubernetes")
-    cfg = load_config(None, ["launch.kind=tpu"])
+    cfg = load_config(None, ["launch.kind=tpu", "launch.procs_per_node=4"])
 
     def broken(edit):
         doc = k8s.manifests(cfg)[1]
