@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "load_config", "apply_override", "to_dict", "reference_markdown"]
+__all__ = ["ConfigError", "TrainConfig", "load_config", "apply_override", "to_dict", "reference_markdown",
+           "resume_differences"]
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,18 @@ class CheckpointConfig:
     dir: str = field(default="", metadata={"doc": "torch.distributed.checkpoint directory ('' : none)"})
     every: int = field(default=0, metadata={"doc": "save every N steps (and at the end); 0: at the end only"})
     resume: bool = field(default=True, metadata={"doc": "continue from the newest checkpoint in dir"})
+    force_resume: bool = field(default=False, metadata={
+        "doc": "resume even when the checkpoint's run differs in model, precision, seed, optim, data or eval split"})
+    keep: int = field(default=0, metadata={"doc": "keep the newest N checkpoints, delete older ones; 0: keep all"})
     export: str = field(default="", metadata={"doc": "write HF safetensors + config.json here at the end"})
+
+
+@dataclass
+class EvalConfig:
+    every: int = field(default=0, metadata={"doc": "evaluate every N steps and at the end; 0: off (no held-out split)"})
+    fraction: float = field(default=0.05, metadata={
+        "doc": "share of the data's rows held out for evaluation (the last ones), when every > 0"})
+    batches: int = field(default=0, metadata={"doc": "micro-batches per evaluation; 0: the whole held-out set"})
 
 
 @dataclass
@@ -125,6 +137,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -228,11 +241,15 @@ def validate(cfg: TrainConfig) -> None:
         if value < 1:
             raise ConfigError(f"config key '{key}': must be >= 1, got {value}")
     for key, value in {"stop_after": cfg.stop_after, "checkpoint.every": cfg.checkpoint.every,
+                       "checkpoint.keep": cfg.checkpoint.keep, "eval.every": cfg.eval.every,
+                       "eval.batches": cfg.eval.batches,
                        "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
         if value < 0:
             raise ConfigError(f"config key '{key}': must be >= 0, got {value}")
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"config key 'mesh.data': must be >= 1 or -1, got {cfg.mesh.data}")
+    if cfg.eval.every and not 0 < cfg.eval.fraction < 1:
+        raise ConfigError(f"config key 'eval.fraction': must be between 0 and 1, got {cfg.eval.fraction}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"config key 'optim.lr': must be > 0, got {cfg.optim.lr}")
     if len(cfg.optim.betas) != 2:
@@ -245,12 +262,20 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"config key 'mesh.rules.{pattern}': expected colwise, rowwise or replicate, got {style!r}")
 
 
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"config file {path!r}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+
+
 def load_config(path: str | None = None, overrides=()) -> TrainConfig:
     cfg = TrainConfig()
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        _merge(cfg, data)
+        _merge(cfg, _read_yaml(path))
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
@@ -259,6 +284,47 @@ def load_config(path: str | None = None, overrides=()) -> TrainConfig:
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# What a resumed run must share with the run that saved the checkpoint: the model, the numbers that shape its
+# updates and the data it sees. Free to change: steps (to train on), stop_after, the mesh (a checkpoint reshards
+# onto another one), compile, activation checkpointing, logging, checkpoint and launch settings.
+RESUME_MUST_MATCH = ("seed", "precision", "model.name", "model.config", "data.source", "data.text_field",
+                     "data.tokenizer", "data.seq_len", "data.global_batch", "data.grad_accum", "data.num_samples",
+                     "optim.", "eval.fraction")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "config":  # model.config compares as one value
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _resume_identity(config: dict) -> dict:
+    flat = _flat(config)
+    if not flat.get("eval.every"):
+        flat["eval.fraction"] = "none (eval.every: 0)"  # no held-out split: every row trains
+    return {k: v for k, v in flat.items() if k.startswith(RESUME_MUST_MATCH)}
+
+
+def resume_differences(saved: dict, cfg: TrainConfig) -> list[str]:
+    """'key: saved -> now' for each key in RESUME_MUST_MATCH where cfg differs from the saved config (a to_dict
+    through JSON; keys it lacks, from an older trainer, count as their defaults)."""
+    import json
+    old = _resume_identity(_deep_update(json.loads(json.dumps(to_dict(TrainConfig()))), saved))
+    new = _resume_identity(json.loads(json.dumps(to_dict(cfg))))
+    return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+
+
+def _deep_update(base: dict, other: dict) -> dict:
+    for k, v in other.items():
+        base[k] = _deep_update(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) and k != "config" \
+            else v
+    return base
 
 
 def reference_markdown() -> str:

@@ -12,7 +12,10 @@ import os
 
 import torch
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "SyntheticTokens", "TokenChunks", "build_dataset", "ResumableBatches"]
+from .config import ConfigError
+
+__all__ = ["ByteTokenizer", "load_tokenizer", "hf_tokenizer", "SyntheticTokens", "TokenChunks", "build_dataset", "split_held_out",
+           "ResumableBatches"]
 
 
 class ByteTokenizer:
@@ -40,8 +43,45 @@ class _HFTokenizer:
         return len(self._tok)
 
 
+def _byte_chars() -> dict[int, str]:
+    """byte -> the character that stands for it in byte-level BPE vocabularies (GPT-2's convention, which
+    `tokenizers`' ByteLevel pre-tokenizer produces): printable Latin-1 bytes are themselves, the other bytes
+    take the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    chars, unprintable = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + unprintable)
+            unprintable += 1
+    return chars
+
+
+def byte_tokenizer_for_hf():
+    """The byte tokenizer as a transformers tokenizer (ids = UTF-8 bytes, no merges, no special tokens), so an
+    exported model trained on bytes loads its tokenizer with AutoTokenizer.from_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(vocab={ch: b for b, ch in _byte_chars().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def hf_tokenizer(name: str):
+    """data.tokenizer as a transformers tokenizer, for export (save_pretrained)."""
+    if name == "byte":
+        return byte_tokenizer_for_hf()
+    return load_tokenizer(name)._tok
+
+
 def load_tokenizer(name: str):
-    return ByteTokenizer() if name == "byte" else _HFTokenizer(name)
+    if name == "byte":
+        return ByteTokenizer()
+    if not os.path.isdir(name):
+        raise ConfigError(f"config key 'data.tokenizer': {name!r} is neither byte nor a local tokenizer directory")
+    return _HFTokenizer(name)
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -67,7 +107,8 @@ class TokenChunks(torch.utils.data.Dataset):
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         n = tokens.numel() // seq_len
         if n == 0:
-            raise ValueError(f"data.source: {tokens.numel()} tokens, fewer than one row of data.seq_len={seq_len}")
+            raise ConfigError(f"config key 'data.source': {tokens.numel()} tokens, fewer than one row of "
+                              f"data.seq_len={seq_len}")
         self.rows = tokens[: n * seq_len].view(n, seq_len)
 
     def __len__(self):
@@ -82,7 +123,7 @@ def _files(source: str) -> list[str]:
     for part in source.split(","):
         found = sorted(glob.glob(os.path.expanduser(part.strip())))
         if not found:
-            raise FileNotFoundError(f"config key 'data.source': no file matches {part.strip()!r}")
+            raise ConfigError(f"config key 'data.source': no file matches {part.strip()!r}")
         files += found
     return files
 
@@ -91,7 +132,7 @@ def read_texts(files, text_field="text", use_datasets=None) -> list[str]:
     """The documents of local .txt (one per line) / .jsonl files, through HF `datasets` when it is installed."""
     jsonl = [f.endswith((".jsonl", ".json")) for f in files]
     if any(jsonl) and not all(jsonl):
-        raise ValueError("config key 'data.source': mix of jsonl and text files")
+        raise ConfigError("config key 'data.source': mix of jsonl and text files")
     if use_datasets is None:
         try:
             import datasets  # noqa: F401
@@ -103,7 +144,7 @@ def read_texts(files, text_field="text", use_datasets=None) -> list[str]:
         ds = datasets.load_dataset("json" if jsonl[0] else "text", data_files=files, split="train")
         field = text_field if jsonl[0] else "text"
         if field not in ds.column_names:
-            raise KeyError(f"config key 'data.text_field': {field!r} not in {ds.column_names}")
+            raise ConfigError(f"config key 'data.text_field': {field!r} not in {ds.column_names}")
         return [t for t in ds[field] if t]
     texts = []
     for path in files:
@@ -115,7 +156,7 @@ def read_texts(files, text_field="text", use_datasets=None) -> list[str]:
                 if jsonl[0]:
                     record = json.loads(line)
                     if text_field not in record:
-                        raise KeyError(f"config key 'data.text_field': {text_field!r} not in {path}")
+                        raise ConfigError(f"config key 'data.text_field': {text_field!r} not in {path}")
                     line = record[text_field]
                 if line:
                     texts.append(line)
@@ -128,12 +169,23 @@ def build_dataset(cfg, vocab_size, use_datasets=None):
         return SyntheticTokens(cfg.num_samples, cfg.seq_len, vocab_size)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"config key 'data.tokenizer': {len(tokenizer)} ids, more than the model's vocab_size "
+        raise ConfigError(f"config key 'data.tokenizer': {len(tokenizer)} ids, more than the model's vocab_size "
                          f"{vocab_size} (set model.config.vocab_size)")
     ids = []
     for text in read_texts(_files(cfg.source), cfg.text_field, use_datasets):
         ids += tokenizer.encode(text)
     return TokenChunks(torch.tensor(ids, dtype=torch.long), cfg.seq_len)
+
+
+def split_held_out(dataset, fraction: float):
+    """(training rows, held-out rows): the last round(fraction * len) rows are held out. The tail, not a random
+    pick, so that a text file's held-out rows are one contiguous stretch that no training row overlaps."""
+    n = len(dataset)
+    held = round(fraction * n)
+    if held < 1 or held >= n:
+        raise ConfigError(f"config key 'eval.fraction': {fraction} of {n} rows holds out {held}; need 1 to {n - 1}")
+    return (torch.utils.data.Subset(dataset, range(n - held)),
+            torch.utils.data.Subset(dataset, range(n - held, n)))
 
 
 class ResumableBatches(torch.utils.data.Sampler):
@@ -145,7 +197,7 @@ class ResumableBatches(torch.utils.data.Sampler):
         if micro_global % dp_size:
             raise ValueError(f"a global micro-batch of {micro_global} does not split over {dp_size} data-parallel ranks")
         if micro_global > n:
-            raise ValueError(f"config key 'data.global_batch': a micro-batch of {micro_global} exceeds the {n} samples")
+            raise ConfigError(f"config key 'data.global_batch': a micro-batch of {micro_global} exceeds the {n} samples")
         self.n, self.m, self.rank, self.dp, self.seed, self.start = n, micro_global, dp_rank, dp_size, seed, start
         self.per_epoch = n // micro_global
 

@@ -10,8 +10,10 @@ as trained), and per rank the scheduler, the step, the data position and the CPU
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import shutil
 import time
 import warnings
 
@@ -21,8 +23,8 @@ import torch.distributed as dist
 import torch_pjrt  # noqa: F401  (registers the tpu device)
 
 from . import mesh as M
-from .config import ConfigError, TrainConfig, to_dict
-from .data import ResumableBatches, build_dataset
+from .config import ConfigError, TrainConfig, resume_differences, to_dict
+from .data import ResumableBatches, build_dataset, hf_tokenizer, split_held_out
 from .logging import MetricsLogger, peak_tflops
 
 __all__ = ["Trainer", "PRESETS", "make_model"]
@@ -121,6 +123,7 @@ class Trainer:
         self.loader = self.build_data()
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.summary: dict = {}  # after fit(): time to the first step, compiles, peak memory (max over ranks)
+        self.logger = None  # fit()'s MetricsLogger (its plot_rows: the whole run's rows)
 
     # ---- building -------------------------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -157,12 +160,31 @@ class Trainer:
         return self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
 
     def build_data(self):
+        """The training batches' iterator; with eval.every, the held-out rows are split off first
+        (self.eval_batches) and never reach the sampler."""
         cfg = self.cfg.data
         dataset = build_dataset(cfg, self.vocab_size)
+        self.eval_batches = []
+        if self.cfg.eval.every:
+            dataset, held_out = split_held_out(dataset, self.cfg.eval.fraction)
+            self.eval_batches = self.held_out_batches(held_out)
         sampler = ResumableBatches(len(dataset), self.micro_global, self.dp_rank, self.dp_size, self.cfg.seed,
                                    start=self.micro_done)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers)
         return iter(torch_pjrt.DeviceLoader(loader, self.device, prefetch=cfg.prefetch))
+
+    def held_out_batches(self, held_out) -> list[torch.Tensor]:
+        """This rank's slices of the held-out rows in order, global micro-batches as in training (a tail that
+        does not fill one is left out), at most eval.batches of them."""
+        m, local = self.micro_global, self.micro_global // self.dp_size
+        count = len(held_out) // m
+        if count == 0:
+            raise ConfigError(f"config key 'eval.fraction': {len(held_out)} held-out rows, fewer than one micro-batch "
+                              f"of {m} (data.global_batch / data.grad_accum)")
+        if self.cfg.eval.batches:
+            count = min(count, self.cfg.eval.batches)
+        starts = (k * m + self.dp_rank * local for k in range(count))
+        return [torch.stack([held_out[i] for i in range(first, first + local)]) for first in starts]
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -218,6 +240,21 @@ class Trainer:
         self.step += 1
         return {"loss": total, "grad_norm": grad_norm, "lr": lr}
 
+    def evaluate(self) -> dict:
+        """The mean loss over the held-out micro-batches and its perplexity, in eval mode without gradients;
+        the model goes back to train mode."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            with torch.no_grad():
+                for batch in self.eval_batches:
+                    with torch.autocast("tpu", dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+                        total += self.compute_loss(batch.to(self.device)).float()
+        finally:
+            self.model.train()
+        loss = self._reduce_loss(total / len(self.eval_batches))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}  # exp overflows a float past ~709
+
     def _reduce_loss(self, loss: torch.Tensor) -> float:
         if self.world_size > 1:  # every dp group's mean is the global batch's mean (equal slices)
             loss = loss.clone()
@@ -228,8 +265,11 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+        if self.step >= end:
+            self._say_nothing_to_train(end)
+            return []
         run_dir = os.path.join(cfg.log.dir, cfg.run_name)
-        logger = MetricsLogger(cfg.log, run_dir, cfg.steps, self.step, self.rank == 0, to_dict(cfg))
+        logger = self.logger = MetricsLogger(cfg.log, run_dir, cfg.steps, self.step, self.rank == 0, to_dict(cfg))
         peak = peak_tflops(torch.tpu.get_device_name(), cfg.log.peak_tflops)
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         start_metrics = last_metrics = torch_pjrt.metrics()
@@ -238,7 +278,8 @@ class Trainer:
         try:
             while self.step < end:
                 out = self.train_step()
-                if self.step % cfg.log.every == 0 or self.step == end:
+                eval_now = cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.steps)
+                if self.step % cfg.log.every == 0 or self.step == end or eval_now:
                     loss = self._reduce_loss(out["loss"])
                     now = time.perf_counter()
                     first_step_s = now - fit_start if first_step_s is None else first_step_s
@@ -249,11 +290,15 @@ class Trainer:
                         norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
                     mfu = None if peak is None else 6 * self.n_params * tps / (peak * 1e12 * self.world_size)
                     m = torch_pjrt.metrics()  # this process's compiles since the last row
-                    logger.log({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": norm,
-                                "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
-                                "compiles": m["compiles"] - last_metrics["compiles"],
-                                "compile_s": m["compile_seconds"] - last_metrics["compile_seconds"],
-                                "peak_mem_bytes": torch.tpu.max_memory_allocated()})
+                    row = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": norm,
+                           "tokens_per_s": tps, "mfu": mfu, "step_time_s": dt,
+                           "compiles": m["compiles"] - last_metrics["compiles"],
+                           "compile_s": m["compile_seconds"] - last_metrics["compile_seconds"],
+                           "peak_mem_bytes": torch.tpu.max_memory_allocated()}
+                    if eval_now:
+                        row.update(self.evaluate())
+                        now = time.perf_counter()  # the next row's step time leaves the evaluation out
+                    logger.log(row)
                     t0, since, last_metrics = now, self.step, m
                 if cfg.checkpoint.dir and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
@@ -276,16 +321,39 @@ class Trainer:
                         "peak_mem_bytes": peak_mem, "rss_peak_bytes": rss}
         return logger.history
 
+    def _say_nothing_to_train(self, end: int) -> None:
+        if self.rank != 0:
+            return
+        where = f"checkpoint {self.resumed_from} is at step {self.step}"
+        if self.step >= self.cfg.steps:
+            print(f"run already finished: {where}, steps={self.cfg.steps}; nothing to train (raise steps to train "
+                  f"on, or set a new checkpoint.dir to start a new run)", flush=True)
+        else:
+            print(f"nothing to train: {where}, stop_after={end} (raise stop_after, or set it to 0 to train to "
+                  f"steps={self.cfg.steps})", flush=True)
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _ckpt_dir(self, step: int) -> str:
         return os.path.join(self.cfg.checkpoint.dir, f"step_{step:08d}")
 
-    def latest_checkpoint(self) -> str | None:
+    def complete_checkpoints(self) -> list[str]:
+        """The checkpoint directories that hold a DONE marker, oldest first."""
         root = self.cfg.checkpoint.dir
         if not os.path.isdir(root):
-            return None
+            return []
         done = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.exists(os.path.join(root, d, "DONE")))
-        return os.path.join(root, done[-1]) if done else None
+        return [os.path.join(root, d) for d in done]
+
+    def latest_checkpoint(self) -> str | None:
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    def _prune_checkpoints(self) -> None:
+        """checkpoint.keep: the newest `keep` complete checkpoints stay (incomplete ones are left alone: a
+        checkpoint being written by another attempt is not ours to delete)."""
+        keep = self.cfg.checkpoint.keep
+        for old in self.complete_checkpoints()[:-keep] if keep else []:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _barrier(self):
         if self.world_size > 1:
@@ -304,7 +372,10 @@ class Trainer:
                    os.path.join(path, f"trainer_rank{self.rank}.pt"))
         self._barrier()
         if self.rank == 0:
+            with open(os.path.join(path, "config.json"), "w") as f:  # what a resume is checked against
+                json.dump(to_dict(self.cfg), f, indent=1)
             open(os.path.join(path, "DONE"), "w").close()  # only complete checkpoints are resumed
+            self._prune_checkpoints()
         self._barrier()
         return path
 
@@ -314,6 +385,7 @@ class Trainer:
         path = path or self.latest_checkpoint()
         if path is None:
             return None
+        self._check_resumable(path)
         model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():
@@ -327,6 +399,20 @@ class Trainer:
         torch.tpu.set_rng_state(extra["tpu_rng"])
         torch.tpu.synchronize()
         return path
+
+    def _check_resumable(self, path: str) -> None:
+        """Refuses a checkpoint whose run differs from this config in what shapes training (config.RESUME_MUST_MATCH):
+        re-running with another config on the same checkpoint.dir would otherwise continue the old run silently."""
+        saved = os.path.join(path, "config.json")
+        if self.cfg.checkpoint.force_resume or not os.path.exists(saved):  # older checkpoints have no config
+            return
+        with open(saved) as f:
+            differences = resume_differences(json.load(f), self.cfg)
+        if differences:
+            raise ConfigError(f"checkpoint.dir {self.cfg.checkpoint.dir!r} holds a run whose settings differ from this "
+                              f"config ({os.path.basename(path)}): {'; '.join(differences)}. Set a new checkpoint.dir "
+                              f"to start this run afresh, or checkpoint.force_resume=true to continue that run with "
+                              f"these settings.")
 
     def _rank_state_file(self, path: str) -> str:
         """This rank's trainer state on the mesh size that saved it (bitwise resume); on another world size rank
@@ -342,7 +428,8 @@ class Trainer:
         return get_model_state_dict(self.raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export(self, out_dir: str) -> None:
-        """HF layout: model.safetensors + config.json (AutoModelForCausalLM.from_pretrained loads it on the CPU)."""
+        """HF layout: model.safetensors + config.json (AutoModelForCausalLM.from_pretrained loads it on the CPU),
+        and the tokenizer of text data (AutoTokenizer.from_pretrained loads it from the same directory)."""
         state = self.full_state_dict()
         if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
@@ -354,6 +441,8 @@ class Trainer:
             else:
                 from safetensors.torch import save_file
                 save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))
+            if self.cfg.data.source != "synthetic":  # synthetic ids are no text: no tokenizer means them
+                hf_tokenizer(self.cfg.data.tokenizer).save_pretrained(out_dir)
         self._barrier()
 
     def close(self) -> None:

@@ -6,7 +6,9 @@ kubernetes client's models. Launches run under hard timeouts; the trainer adds n
 file runs once (fused).
 """
 import csv
+import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -252,3 +254,220 @@ def test_torchrun_command_local():
     cmd = k8s.torchrun_command(cfg, local=True, config_path="c.yaml", overrides=["steps=3"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "--nnodes=1",
                        "-m", "torch_pjrt.train", "c.yaml", "steps=3"]
+
+
+# ---- the command line: overrides anywhere, config errors as `error:` and status 2 -------------------------
+EXAMPLE = os.path.join(ROOT, "examples", "train_llama_tiny.yaml")
+
+
+def test_overrides_after_the_flags(capsys, monkeypatch):
+    """The example YAML's header: `CONFIG mesh.fsdp=2 --torchrun launch.procs_per_node=2` (argparse rejected the
+    items after a flag)."""
+    import yaml
+    assert main([EXAMPLE, "--print-config", "steps=3", "optim.lr=0.5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["steps"] == 3 and printed["optim"]["lr"] == 0.5
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: launched.append(cmd) or 0)
+    assert main([EXAMPLE, "mesh.fsdp=2", "--torchrun", "launch.procs_per_node=2"]) == 0
+    assert launched[0][-3:] == [EXAMPLE, "mesh.fsdp=2", "launch.procs_per_node=2"], launched
+    assert "--nproc-per-node=2" in launched[0]
+
+
+def test_config_errors_exit_2_with_error_line(tmp_path, capsys, monkeypatch):
+    cases = {
+        "config file": [str(tmp_path / "missing.yaml")],
+        "'model.name': 'nope' is no preset": ["model.name=nope"],  # found while the Trainer builds
+        "world size 1": ["mesh.fsdp=2"],  # found while the Trainer builds its mesh
+        "no file matches": [f"data.source={tmp_path}/none.txt"],
+        "'data.tokenizer'": [f"data.source={EXAMPLE}", f"data.tokenizer={tmp_path}/no_tokenizer"],
+        "'eval.fraction'": ["eval.every=1", "eval.fraction=1.5"],
+    }
+    for message, argv in cases.items():
+        assert main(argv + ["log.progress=false", f"log.dir={tmp_path}"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (argv, err)
+    # --torchrun checks the mesh against the processes it would start, before starting them
+    monkeypatch.setattr(subprocess, "call", lambda cmd: pytest.fail(f"launched {cmd}"))
+    assert main(["mesh.fsdp=2", "--torchrun", "launch.procs_per_node=3"]) == 2
+    assert "world size 3" in capsys.readouterr().err
+
+
+def test_config_error_in_a_new_process_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "torch_pjrt.train", "model.name=nope", "log.progress=false"],
+                          env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: config key 'model.name'"), proc.stderr
+
+
+# ---- resuming: only the same run, keep-last-N, a finished run, the plot of the whole run -------------------
+SMALL = BASE + ["steps=2", "optim.lr=1e-2", "precision=fp32"]
+
+
+def _fit(args):
+    trainer = Trainer(load_config(None, args))
+    return trainer, trainer.fit()
+
+
+def test_resume_refuses_another_runs_checkpoint(tmp_path, capsys):
+    ckpt = [f"checkpoint.dir={tmp_path}/ckpt", f"log.dir={tmp_path}/logs"]
+    _fit(SMALL + ckpt)
+    other = SMALL + ckpt + ["precision=bf16", "optim.lr=3e-3", "data.seq_len=16", "steps=3"]
+    with pytest.raises(ConfigError) as e:
+        Trainer(load_config(None, other))
+    message = str(e.value)
+    for key in ("precision: 'fp32' -> 'bf16'", "optim.lr: 0.01 -> 0.003", "data.seq_len: 32 -> 16",
+                "new checkpoint.dir", "checkpoint.force_resume=true"):
+        assert key in message, message
+    assert "steps" not in message.split(":", 1)[1].split(".", 1)[0]  # steps may change
+    assert main(other) == 2 and "error: checkpoint.dir" in capsys.readouterr().err
+    # what may change: more steps, the mesh, logging; and force_resume takes the checkpoint anyway
+    more, history = _fit(SMALL + ckpt + ["steps=3", "compile=false", "log.every=2"])
+    assert more.resumed_from.endswith("step_00000002") and [r["step"] for r in history] == [3]
+    forced = Trainer(load_config(None, other + ["checkpoint.force_resume=true"]))
+    assert forced.step == 3
+
+
+def test_rerunning_a_finished_run_says_so(tmp_path, capsys):
+    args = SMALL + [f"checkpoint.dir={tmp_path}/ckpt", f"log.dir={tmp_path}/logs"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "steps 1..2" in first
+    csv_before = (tmp_path / "logs" / "run" / "metrics.csv").read_text()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "run already finished" in out and "step 2, steps=2" in out and "steps 1..2" not in out, out
+    assert (tmp_path / "logs" / "run" / "metrics.csv").read_text() == csv_before
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
+
+
+def test_keep_last_n_checkpoints(tmp_path):
+    args = SMALL + [f"checkpoint.dir={tmp_path}/ckpt", f"log.dir={tmp_path}/logs", "checkpoint.every=1",
+                    "checkpoint.keep=2"]
+    _fit(args[:] + ["steps=3"])
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002", "step_00000003"]
+    resumed, history = _fit(args + ["steps=4"])
+    assert resumed.resumed_from.endswith("step_00000003") and [r["step"] for r in history] == [4]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000003", "step_00000004"]
+
+
+def test_plot_after_a_resume_shows_the_whole_run(tmp_path):
+    """4 steps with checkpoints at 2 and 4; the step-4 one is lost (as if the process died after logging step 4),
+    so a new process resumes at 2: the plot's rows are steps 1-4 once each, 3-4 from the resumed process."""
+    args = SMALL + ["steps=4", f"checkpoint.dir={tmp_path}/ckpt", f"log.dir={tmp_path}/logs", "checkpoint.every=2"]
+    _, straight = _fit(args)
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
+    resumed, history = _fit(args + ["log.plot=true"])
+    assert [r["step"] for r in history] == [3, 4]
+    rows = resumed.logger.plot_rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in straight]  # bitwise resume: the same curve
+    assert (tmp_path / "logs" / "run" / "plot.png").exists()
+
+
+# ---- evaluation on held-out rows, and the tokenizer in the export -------------------------------------------
+def _text_rows(path, n):
+    """n lines of 16 distinct bytes: with data.seq_len=16 and the byte tokenizer, row i is line i."""
+    lines = [f"row {i:04d} abcdefg" for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+class RecordingTrainer(Trainer):
+    """Notes every batch compute_loss sees, with the model's mode and whether gradients were on."""
+
+    def compute_loss(self, batch):
+        self.seen = getattr(self, "seen", [])
+        self.seen.append((self.model.training, torch.is_grad_enabled(), batch.cpu()))
+        return super().compute_loss(batch)
+
+
+def test_eval_loss_equals_cpu_model_on_held_out_rows(tmp_path):
+    import transformers
+    lines = _text_rows(tmp_path / "rows.txt", 80)
+    args = BASE + ["steps=4", "precision=fp32", "data.seq_len=16", f"data.source={tmp_path}/rows.txt",
+                   "eval.every=2", "eval.fraction=0.2", f"log.dir={tmp_path}/logs", f"checkpoint.export={tmp_path}/hf"]
+    trainer = RecordingTrainer(load_config(None, args))
+    history = trainer.fit()
+    held_out = lines[64:]  # the last 20%: 16 rows, 2 micro-batches of 8
+    as_text = [(training, grad, [bytes(r.tolist()).decode() for r in b]) for training, grad, b in trainer.seen]
+    trained = {line for training, _, rows in as_text if training for line in rows}
+    evaluated = [rows for training, _, rows in as_text if not training]
+    assert trained and not trained & set(held_out)
+    assert evaluated == [held_out[:8], held_out[8:]] * 2  # at steps 2 and 4
+    assert all(not grad for training, grad, _ in as_text if not training)
+    assert trainer.model.training
+
+    assert [r["step"] for r in history if r.get("eval_loss") is not None] == [2, 4]
+    assert {s: r["eval_loss"] for s, r in ((r["step"], r) for r in history) if "eval_loss" in r} == \
+        {int(r["step"]): float(r["eval_loss"]) for r in csv.DictReader(open(tmp_path / "logs" / "run" / "metrics.csv"))
+         if r["eval_loss"]}
+    # the reference: the exported weights on CPU PyTorch, a shifted cross-entropy per batch, the batches' mean
+    cpu = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    losses = []
+    with torch.no_grad():
+        for part in (held_out[:8], held_out[8:]):
+            ids = torch.tensor([list(line.encode()) for line in part])
+            logits = cpu(input_ids=ids).logits
+            losses.append(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+    want = torch.stack(losses).mean().item()
+    assert history[-1]["eval_loss"] == pytest.approx(want, rel=1e-5)
+    assert history[-1]["eval_ppl"] == pytest.approx(math.exp(want), rel=1e-5)
+
+    # the byte tokenizer went out with the model
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "row 0064 abcdefg, héllo"
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode())
+    assert tok.decode(list(text.encode())) == text
+
+
+def test_export_carries_an_hf_tokenizer(tmp_path):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["[UNK]", "</s>"] + sorted(set(" ".join(_text_rows(tmp_path / "rows.txt", 40)).split()))
+    source = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    source.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=source, unk_token="[UNK]",
+                                         eos_token="</s>").save_pretrained(tmp_path / "tok")
+    _fit(BASE + ["steps=1", "data.seq_len=4", f"data.source={tmp_path}/rows.txt", f"data.tokenizer={tmp_path}/tok",
+                 f"log.dir={tmp_path}/logs", f"checkpoint.export={tmp_path}/hf"])
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    got = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "row 0007 abcdefg row 0031 abcdefg"
+    assert got(text)["input_ids"] == want(text)["input_ids"] and got.eos_token == "</s>"
+    assert len(got(text)["input_ids"]) == 6 and got.unk_token_id not in got(text)["input_ids"]
+
+
+# ---- packaging: pip install .[train] --------------------------------------------------------------------
+# import name -> the distribution that provides it (torch.utils.tensorboard needs the tensorboard package)
+_DISTRIBUTIONS = {"yaml": "pyyaml", "torch.utils.tensorboard": "tensorboard"}
+
+
+def _third_party_imports(directory):
+    import ast
+    found = set()
+    for name in os.listdir(directory):
+        if name.endswith(".py"):
+            for node in ast.walk(ast.parse(open(os.path.join(directory, name)).read())):
+                if isinstance(node, ast.Import):
+                    found |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    found.add(node.module)
+    named = {_DISTRIBUTIONS.get(m, _DISTRIBUTIONS.get(m.split(".")[0], m.split(".")[0])) for m in found}
+    return {n for n in named if n not in sys.stdlib_module_names and n not in ("torch", "torch_pjrt", "__future__")}
+
+
+def test_train_extra_lists_what_the_trainer_imports():
+    import re
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["train"]
+    names = {re.split(r"[<>=!~\[ ]", e)[0].lower() for e in extra}
+    missing = _third_party_imports(os.path.join(ROOT, "python", "torch_pjrt", "train")) - names
+    assert not missing, f"pyproject.toml's train extra lacks {missing}"
+    assert all(not e.startswith("torch") or e == "torch==2.13.0" for e in extra), extra
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    trainer_bullet = readme.split("- Training:", 1)[1].split("\n- ", 1)[0]
+    assert ".[train]" in trainer_bullet and ".[train]" in open(os.path.join(ROOT, "docs", "train.md")).read()
+    setup = readme.split("## Set-up commands", 1)[1].split("\n## ", 1)[0]
+    assert len([line for line in setup.splitlines() if line.startswith("- ")]) == 2
