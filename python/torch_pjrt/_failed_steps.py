@@ -221,11 +221,13 @@ def _patch_grad_scaler() -> None:
 
 def _run_pending_initialization(optimizer, *args, **kwargs) -> None:
     # The optimizer is built after the model and before its first step: what the model's initialization
-    # recorded runs now, so parameters have values of their own that a failed first step keeps.
+    # recorded runs now, so parameters have values of their own that a failed first step keeps. It is
+    # waited for: a first step launched on inputs still being computed has them consumed (donated) even
+    # when it then fails to allocate its memory.
     if not _active() or _C._get_mode() not in ("fused", "lazy") or _C._capturing():
         return
-    if tpu_devices(optimizer):
-        _C._sync()
+    for device in tpu_devices(optimizer):
+        torch.tpu.synchronize(device)
 
 
 def _patch_add_param_group() -> None:
