@@ -240,14 +240,18 @@ RUNTIME_FAILURE = textwrap.dedent("""
 """)
 
 
+def run_capped(script, mode):
+    """Runs `script` in a fresh interpreter in `mode` (it caps its own address space)."""
+    env = dict(os.environ, TORCH_PJRT_MODE=mode)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(torch_pjrt.__path__[0]),
+                                                      env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.skipif(torch_pjrt.platform()["name"] != "cpu",
                     reason="caps the address space, which a GPU runtime needs far more of at start")
 def test_out_of_memory_while_running_leaves_every_tensor_as_it_was():
-    env = dict(os.environ, TORCH_PJRT_MODE="fused")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(torch_pjrt.__path__[0]),
-                                                      env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", RUNTIME_FAILURE], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_capped(RUNTIME_FAILURE, "fused")
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     if "NO FAILURE" in out:
@@ -284,11 +288,7 @@ STRICT_FAILURE = textwrap.dedent("""
 @pytest.mark.skipif(torch_pjrt.platform()["name"] != "cpu",
                     reason="caps the address space, which a GPU runtime needs far more of at start")
 def test_strict_out_of_memory_is_raised_once():
-    env = dict(os.environ, TORCH_PJRT_MODE="strict")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(torch_pjrt.__path__[0]),
-                                                      env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", STRICT_FAILURE], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_capped(STRICT_FAILURE, "strict")
     out = proc.stdout
     if "NO FAILURE" in out:
         pytest.skip("the plugin allocated every output; no run-time failure to test")
