@@ -771,15 +771,22 @@ std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> don
   return work;
 }
 
+namespace {
+// Waits for `work`; keeps its failure in `first_failure` unless one is there.
+void wait_noting_failure(Work& work, std::string& first_failure) {
+  try {
+    work.done->wait();
+  } catch (const pjrt::Error& e) {
+    if (first_failure.empty()) first_failure = e.what();
+  }
+}
+}  // namespace
+
 void DeviceContext::pop_finished_work() {
   while (!in_flight_.empty() && in_flight_.front()->done->is_ready()) {
     auto ready = std::move(in_flight_.front());
     in_flight_.pop_front();
-    try {
-      ready->done->wait();
-    } catch (const pjrt::Error& e) {
-      if (unreported_failure_.empty()) unreported_failure_ = e.what();
-    }
+    wait_noting_failure(*ready, unreported_failure_);
   }
 }
 
@@ -828,13 +835,7 @@ void synchronize(int device) {
   DeviceContext& ctx = device_context(device);
   std::deque<std::shared_ptr<Work>> pending = ctx.take_in_flight();
   std::string failure = ctx.take_unreported_failure();
-  for (auto& work : pending) {
-    try {
-      work->done->wait();
-    } catch (const pjrt::Error& e) {
-      if (failure.empty()) failure = e.what();
-    }
-  }
+  for (auto& work : pending) wait_noting_failure(*work, failure);
   if (!failure.empty()) raise_device_error(c10::str("a tpu program on tpu:", device, " failed: ", failure));
   raise_failed_checks(device);
 }

@@ -259,12 +259,11 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
 }
 
-}  // namespace
-
-namespace {
+// Silences the warnings of a block (a deliberate kernel override's).
 struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
+
 }  // namespace
 
 void register_lowered_kernels(const lowering::OpRule* overriding) {
@@ -273,6 +272,10 @@ void register_lowered_kernels(const lowering::OpRule* overriding) {
   // them from Python replaces a Python decomposition's kernel too).
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
+  // Replacing a device kernel is on purpose here: PyTorch's "Overriding a previously registered kernel"
+  // warning would only show the user this file's build path.
+  QuietWarnings quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   torch::Library* library = nullptr;  // never destroyed: its kernels stay registered
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
@@ -290,10 +293,6 @@ void register_lowered_kernels(const lowering::OpRule* overriding) {
     if (!library)
       library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    // Replacing a device kernel on purpose: PyTorch's "Overriding a previously registered kernel" warning
-    // would only show the user this file's build path.
-    QuietWarnings quiet;
-    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
     library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lowered_fallback>());
   }
 }

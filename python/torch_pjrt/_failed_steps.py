@@ -219,7 +219,7 @@ def _patch_grad_scaler() -> None:
 
 # ---- parameters made on the device ----
 
-def _run_pending_initialization(optimizer, *args, **kwargs) -> None:
+def _run_pending_initialization(optimizer) -> None:
     # The optimizer is built after the model and before its first step: what the model's initialization
     # recorded runs now, so parameters have values of their own that a failed first step keeps. It is
     # waited for: a first step launched on inputs still being computed has them consumed (donated) even
