@@ -24,6 +24,7 @@
 #include <optional>
 #include <stdexcept>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "aten/device_context.h"
@@ -583,6 +584,28 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   return donated;
 }
 
+// Whether a failed program kept the donated buffer `b`. A plugin holds a
+// donated buffer as deleted while the program is pending and hands it back
+// when the program fails before using it, a moment after it reports the
+// failure (the CPU plugin's worker thread does), so it is asked again for a
+// while before the buffer is taken for consumed.
+static bool donation_consumed(pjrt::Buffer* b) {
+  if (!b) return true;
+  auto deleted = [b] {
+    try {
+      return b->is_deleted();
+    } catch (const std::exception&) {
+      return true;
+    }
+  };
+  auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (deleted()) {
+    if (std::chrono::steady_clock::now() > give_up) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 // A failed graph is undone: recording never replaces a storage's buffer, so
 // every storage it was to write still holds the buffer it had before the
 // graph, and parameters and optimizer state read as before the failed step.
@@ -594,14 +617,8 @@ std::map<int, int> donations(const PendingGraph& g, const std::vector<int>& live
   restore_failed_program(g.device, program);  // run as the lock is released
   auto lost = std::make_shared<const std::string>(message);
   std::vector<char> consumed(g.storages.size(), 0);
-  for (auto [operand, output] : donated) {
-    bool deleted = true;
-    try {
-      deleted = !g.operands[operand] || g.operands[operand]->is_deleted();
-    } catch (const std::exception&) {
-    }
-    if (deleted) consumed[g.operand_storage[operand]] = 1;
-  }
+  for (auto [operand, output] : donated)
+    if (donation_consumed(g.operands[operand].get())) consumed[g.operand_storage[operand]] = 1;
   {
     std::lock_guard<std::mutex> lock(storage_mutex());
     for (size_t id = 0; id < g.storages.size(); ++id) {

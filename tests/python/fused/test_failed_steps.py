@@ -203,9 +203,13 @@ RUNTIME_FAILURE = textwrap.dedent("""
     print("GOES_ON", all(torch.isfinite(p).all().item() for p in model.parameters()))
 
     # A small graph: the CPU plugin reports this allocation failure from the
-    # completion event, after Execute returned, with the donated input given.
+    # completion event, after Execute returned. Its donated input is still
+    # being computed at launch (the plugin would hand it over at once).
     cpu = torch.randn(1000)
-    p = cpu.to("tpu")
+    w = torch.rand(1500, 1500, device="tpu")
+    for _ in range(4):
+        w = (w @ w).sin()
+    p = cpu.to("tpu") + 0 * w[0, :1000]
     torch_pjrt.sync()
     p.mul_(2)
     big = torch.ones(1 << 33, device="tpu")

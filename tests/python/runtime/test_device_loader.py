@@ -56,11 +56,17 @@ def shuffled_loader(**kwargs):
     return DataLoader(dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1), **kwargs)
 
 
-def wait_for_threads(count, timeout=10.0):
+def started_since(before):
+    """The live threads not in `before` (threads other tests left may end meanwhile)."""
+    return [t for t in threading.enumerate() if t not in before]
+
+
+def wait_for_threads(before, timeout=10.0):
+    """The threads started since `before` that are still alive after up to `timeout` s."""
     deadline = time.monotonic() + timeout
-    while threading.active_count() > count and time.monotonic() < deadline:
+    while started_since(before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return threading.active_count()
+    return started_since(before)
 
 
 def test_same_batches_as_plain_loop_every_epoch():
@@ -193,33 +199,33 @@ def test_prefetch_runs_ahead_but_is_bounded():
 
 
 def test_early_break_leaves_no_thread():
-    baseline = threading.active_count()
+    baseline = set(threading.enumerate())
     source = Counting(100)
     loader = DeviceLoader(source, prefetch=2)
     for i, batch in enumerate(loader):
-        assert threading.active_count() == baseline + 1
+        assert len(started_since(baseline)) == 1
         if i == 1:
             break
-    assert threading.active_count() == baseline  # the iterator was dropped: its thread joined
+    assert started_since(baseline) == []  # the iterator was dropped: its thread joined
     assert source.taken <= 2 + 2 + 1
     it = iter(loader)
     next(it)
     del it
-    assert threading.active_count() == baseline
+    assert started_since(baseline) == []
     it = iter(loader)
     it.close()
-    assert threading.active_count() == baseline
+    assert started_since(baseline) == []
     with pytest.raises(StopIteration):
         next(it)
 
 
 def test_early_break_with_workers_shuts_them_down():
-    baseline = threading.active_count()
+    baseline = set(threading.enumerate())
     loader = DeviceLoader(DataLoader(dataset(64), batch_size=2, num_workers=2, multiprocessing_context="fork"))
     for i, _ in enumerate(loader):
         if i == 2:
             break
-    assert wait_for_threads(baseline) == baseline
+    assert wait_for_threads(baseline) == []
     import multiprocessing
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -244,7 +250,7 @@ class FailingDataset(Dataset):
 # mode's (fork under each mode: test_threads_fork.py): once per `make test`
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_error_is_raised_at_its_batch(workers):
-    baseline = threading.active_count()
+    baseline = set(threading.enumerate())
     loader = DeviceLoader(DataLoader(FailingDataset(7), batch_size=2, num_workers=workers,
                                      multiprocessing_context="fork" if workers else None))
     it = iter(loader)
@@ -259,7 +265,7 @@ def test_a_loader_error_is_raised_at_its_batch(workers):
     # DataLoader's re-raised error references its iterator through a cycle (as in a
     # plain loop): the collector frees it, and the workers' queue threads end.
     gc.collect()
-    assert wait_for_threads(baseline) == baseline
+    assert wait_for_threads(baseline) == []
 
 
 class WorkerDataset(Dataset):
