@@ -127,8 +127,17 @@ void cpu_fallback_aliased(const c10::OperatorHandle& op, torch::jit::Stack* stac
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& why) {
   check_written_on_device(op.schema(), *stack);
   flush_pending();
-  if (written_shares_storage(op.schema(), *stack)) cpu_fallback_aliased(op, stack);
-  else at::native::cpu_fallback(op, stack);
+  try {
+    if (written_shares_storage(op.schema(), *stack)) cpu_fallback_aliased(op, stack);
+    else at::native::cpu_fallback(op, stack);
+  } catch (const c10::NotImplementedError& e) {
+    // The op has no CPU kernel (a CUDA-only one): say why it could not run on
+    // tpu, instead of the dispatcher's error about the CPU backend.
+    std::string cpu = e.what_without_backtrace();
+    if (cpu.find("'CPU' backend") == std::string::npos) throw;
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "torch_pjrt: ", op_name(op.schema()), " cannot run on tpu with these arguments (",
+                                why, ") and PyTorch has no CPU kernel for it to fall back to");
+  }
   // Counted once it ran: when the CPU kernel raises (a shape error the meta
   // kernel saw first), that is the user's error, not an op running on the CPU.
   note_cpu_fallback(op_name(op.schema()), why);

@@ -290,6 +290,7 @@ void register_amp(Table&);
 void register_optim(Table&);
 void register_moe(Table&);
 void register_attention(Table&);
+void register_packed_attention(Table&);
 void register_complex(Table&);
 void register_external(Table&);  // torch_pjrt::jax_call (external.cpp)
 

@@ -71,6 +71,7 @@ Table& table() {
     register_optim(*t);
     register_moe(*t);
     register_attention(*t);
+    register_packed_attention(*t);
     register_external(*t);
     register_complex(*t);
     return t;
