@@ -32,6 +32,7 @@ def build(backend):
     return model
 
 
+@pytest.mark.modes_inside  # a lowering check: the mode adds nothing (the lowering tests run fused and strict)
 def test_varlen_llama3_matches_flex_on_cpu(dense_cpu_flex):
     varlen, flex = build("varlen"), build("flex")
     flex.load_state_dict(varlen.state_dict())
