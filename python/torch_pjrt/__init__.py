@@ -102,6 +102,8 @@ from . import _accelerate
 _accelerate.install()  # accelerate / the HF Trainer on tpu: data-parallel under torchrun and `accelerate launch`
 from . import _torchtitan
 _torchtitan.install()  # torchtitan imports without Triton (its CUDA expert-parallel kernels)
+from .serving import hf_batching
+hf_batching.install()  # transformers' continuous batching sizes its cache from tpu memory
 
 
 def _print_from_host() -> None:
