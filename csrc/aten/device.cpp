@@ -27,7 +27,9 @@
 #include <condition_variable>
 #include <thread>
 #include <cstdlib>
+#include <cstdio>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <unordered_set>
@@ -242,11 +244,25 @@ struct TpuAllocator final : c10::DeviceAllocator {
     std::lock_guard<std::mutex> lock(memory().mutex);
     reset_stats(device, [](c10::CachingAllocator::Stat& stat) { stat.reset_accumulated(); });
   }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    return memory_info(device < 0 ? current_device() : device);
+  }
   void resetPeakStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(memory().mutex);
     reset_stats(device, [](c10::CachingAllocator::Stat& stat) { stat.reset_peak(); });
   }
 };
+
+std::pair<size_t, size_t> host_memory() {
+  const size_t total = static_cast<size_t>(sysconf(_SC_PAGE_SIZE)) * static_cast<size_t>(sysconf(_SC_PHYS_PAGES));
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  unsigned long long kib = 0;
+  while (std::getline(meminfo, line))
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1)
+      return {std::min(static_cast<size_t>(kib) * 1024, total), total};
+  return {total, total};
+}
 
 TpuAllocator g_allocator;
 REGISTER_ALLOCATOR(kTpu, &g_allocator);
@@ -666,6 +682,13 @@ const std::string& plugin_path() { return configured_path(); }
 pjrt::Client& client() {
   check_not_forked();
   return *runtime().client;
+}
+std::pair<size_t, size_t> memory_info(int device) {
+  check_device_index(device);
+  auto stats = client().memory_stats(static_cast<size_t>(device));
+  if (!stats || stats->bytes_limit < 0) return host_memory();
+  const auto limit = static_cast<size_t>(stats->bytes_limit), used = static_cast<size_t>(std::max<int64_t>(stats->bytes_in_use, 0));
+  return {limit > used ? limit - used : 0, limit};
 }
 graph::CompileCache& compile_cache() {
   check_not_forked();

@@ -124,6 +124,11 @@ void configure_unavailable(const std::string& reason);
 std::string compile_cache_dir();
 const std::string& plugin_path();
 pjrt::Client& client();
+// (free, total) bytes of a device: the plugin's memory statistics, or the
+// host's available and total memory where device memory is host memory (the
+// CPU plugin reports none). torch.accelerator.get_memory_info and
+// torch.tpu.mem_get_info read it.
+std::pair<size_t, size_t> memory_info(int device);
 graph::CompileCache& compile_cache();
 bool runtime_started();
 

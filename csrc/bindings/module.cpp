@@ -234,6 +234,7 @@ PYBIND11_MODULE(_C, m) {
     return py::dict(py::arg("bytes_in_use") = stats->bytes_in_use, py::arg("peak_bytes_in_use") = stats->peak_bytes_in_use,
                     py::arg("bytes_limit") = stats->bytes_limit);
   });
+  m.def("_memory_info", [](int device) { return memory_info(device); });  // (free, total) bytes
   m.def("_check_device_index", &check_device_index);
   m.def("_device_kind", [](int device) {
     check_device_index(device);

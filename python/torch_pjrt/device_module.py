@@ -7,7 +7,6 @@ device's single queue and an Event records a point on it.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -180,26 +179,12 @@ def memory_stats(device=None) -> dict:
     return stats
 
 
-def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory: the CPU plugin's device memory."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024, total
-    except (OSError, KeyError, ValueError):
-        return total, total
-
-
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the device, as torch.cuda.mem_get_info: from the
     plugin's memory statistics, or the host's memory where the device's memory
     is host memory (the CPU plugin reports none)."""
     _lazy_init()
-    stats = _C._device_memory_stats(_index(device))
-    if stats is None or stats["bytes_limit"] < 0:
-        return _host_memory()
-    return max(stats["bytes_limit"] - stats["bytes_in_use"], 0), stats["bytes_limit"]
+    return tuple(_C._memory_info(_index(device)))  # device.cpp: memory_info, also torch.accelerator.get_memory_info
 
 
 class _DeviceProperties:

@@ -285,6 +285,12 @@ def test_device_properties_and_memory_info_as_torch_cuda_gives_them():
     assert props.total_memory == total and 0 < free <= total
     if torch_pjrt.platform()["name"] == "cpu":  # the device's memory is the host's
         assert total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        with open("/proc/meminfo") as f:
+            available = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) * 1024
+        assert abs(free - available) <= 0.1 * total
+    # torch.accelerator's memory info (vLLM sizes its KV cache from it) is the device module's
+    accel_free, accel_total = torch.accelerator.get_memory_info("tpu")
+    assert accel_total == total and abs(accel_free - free) <= 0.1 * total
     assert torch.tpu.get_device_capability() == (props.major, props.minor)
     assert torch.get_device_module("tpu").get_device_properties("tpu:0").total_memory == total
     with pytest.raises(RuntimeError, match="invalid tpu device index"):
