@@ -34,6 +34,8 @@ struct Work {
   pjrt::ExecutablePtr program;
   // 0: not yet. Shared with the callback, which may outlive this Work.
   std::shared_ptr<std::atomic<int64_t>> finished_ns = std::make_shared<std::atomic<int64_t>>(0);
+  // What must outlive the work besides its program (a non_blocking read's host tensor and buffer).
+  std::shared_ptr<const void> holds;
 };
 
 // The run of a pending fused graph that an Event was recorded inside of

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "aten/device.h"
+#include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/fused_graph.h"
 #include "aten/growth.h"
@@ -153,9 +154,34 @@ bool upload_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
   return true;
 }
 
+// A non_blocking copy of a tpu tensor into pinned host memory returns once the
+// read is launched, as a CUDA one does: the read is the device's work, which
+// synchronize(), Events and Streams wait for, and until then the host tensor
+// holds whatever it held. The host tensor and the buffer stay alive until it
+// is done. Anything else (pageable memory, a view to gather) reads at once.
+bool download_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.is_cpu() || src.device().type() != kTpu || src.scalar_type() != dst.scalar_type() ||
+      !dst.is_contiguous() || !src.is_contiguous() || src.storage_offset() != 0 || src.is_conj() || src.is_neg() ||
+      dst.is_conj() || dst.is_neg() || !src.sizes().equals(dst.sizes()) || src.numel() == 0 ||
+      !is_pinned_host_ptr(dst.storage().data()))
+    return false;
+  check_not_forked();
+  c10::DeviceGuard guard(src.device());
+  const StorageState& st = storage_state(src.storage());
+  pjrt::BufferPtr buffer = readable_buffer(st);  // runs the recorded graph that writes it
+  if (!buffer || st.lost || buffer->element_type() != element_or_throw(src.scalar_type()) ||
+      buffer->element_count() != src.numel())
+    return false;  // no value (the read raises why), or a capacity buffer to cut: read at once
+  auto done = buffer->to_host_async(dst.mutable_data_ptr());
+  graph::metrics().device_to_host_bytes += static_cast<int64_t>(dst.nbytes());
+  auto work = device_context(st.device).track_work(std::move(done), nullptr);
+  if (work) work->holds = std::make_shared<std::pair<at::Tensor, pjrt::BufferPtr>>(dst, std::move(buffer));
+  return true;
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   ExitGate gate;  // a device entry point (exit_gate.h), as are the two below
-  if (non_blocking && upload_pinned_async(dst, self)) return dst;
+  if (non_blocking && (upload_pinned_async(dst, self) || download_pinned_async(dst, self))) return dst;
   copy_into(dst, self);  // waits for the host memory to be read
   return dst;
 }

@@ -102,13 +102,15 @@ int64_t Buffer::element_count() const {
   return n;
 }
 
-void Buffer::to_host(void* dst) const {
+void Buffer::to_host(void* dst) const { to_host_async(dst)->wait(); }
+
+std::unique_ptr<Event> Buffer::to_host_async(void* dst) const {
   auto args = PJRT_ARGS(PJRT_Buffer_ToHostBuffer_Args);
   args.src = buffer_;
   args.dst = dst;
   args.dst_size = byte_count();
   plugin_->check(plugin_->api()->PJRT_Buffer_ToHostBuffer(&args), "PJRT_Buffer_ToHostBuffer");
-  Event(plugin_, args.event).wait();
+  return std::make_unique<Event>(plugin_, args.event);
 }
 
 void Buffer::wait_ready() const {

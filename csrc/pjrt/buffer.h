@@ -27,6 +27,8 @@ class Buffer {
 
   // Copies the whole buffer, row-major, into `dst` (byte_count() bytes); waits.
   void to_host(void* dst) const;
+  // The same copy, launched: `dst` and this buffer must live until the event fires.
+  std::unique_ptr<Event> to_host_async(void* dst) const;
   // Waits until the value is computed; throws if the producing program failed.
   void wait_ready() const;
   // The plugin's address for the buffer's memory (often the device address):
