@@ -178,3 +178,63 @@ def test_forked_workers_read_and_free_inherited_pinned_tensors():
                                      multiprocessing_context="fork")
     out = torch.cat([b.to("tpu", non_blocking=True).cpu() for b in dl])
     assert torch.equal(out, torch.arange(40.0).reshape(20, 2))
+
+
+# ---- device -> host: non_blocking reads into pinned memory return once launched (as CUDA's do)
+
+def slow_result(n=768, rounds=24):
+    """A tpu tensor whose programs take a good while on the CPU plugin (about a second on 2 cores)."""
+    x = torch.rand(n, n, generator=torch.Generator().manual_seed(1)).to("tpu")
+    for _ in range(rounds):
+        x = torch.tanh(x @ x / n)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_blocking_read_into_pinned_memory_is_right_after_synchronize(dtype):
+    x = sample(dtype)
+    out = torch.empty(x.shape, dtype=dtype).pin_memory()
+    out.copy_(x.to("tpu") * 1, non_blocking=True)
+    torch.tpu.synchronize()
+    assert torch.equal(out, x)
+
+
+def test_non_blocking_read_returns_before_the_work_is_done_and_an_event_orders_it():
+    if torch_pjrt.platform()["name"] != "cpu":
+        pytest.skip("the slow program is slow on the CPU plugin only")
+    x = slow_result()
+    out = torch.zeros(x.shape).pin_memory()
+    out.copy_(x, non_blocking=True)
+    stream = torch.tpu.current_stream()
+    assert not stream.query()  # the read did not wait for the programs before it
+    done = torch.Event(device="tpu")
+    done.record()
+    done.synchronize()
+    assert stream.query()
+    assert torch.equal(out, x.cpu())
+
+
+def test_to_cpu_non_blocking_gives_a_pinned_tensor_read_asynchronously():
+    x = slow_result(rounds=2)
+    host = x.to("cpu", non_blocking=True)
+    torch.tpu.synchronize()
+    assert torch.equal(host, x.cpu())
+
+
+def test_pageable_memory_and_views_are_read_at_once():
+    x = sample(torch.float32).to("tpu")
+    pageable = torch.empty(33, 17)
+    pageable.copy_(x, non_blocking=True)  # nothing to synchronize: like CUDA, a pageable read is synchronous
+    assert torch.equal(pageable, x.cpu())
+    pinned = torch.empty(17, 33).pin_memory()
+    pinned.copy_(x.t(), non_blocking=True)  # a view is gathered by a program, then read
+    torch.tpu.synchronize()
+    assert torch.equal(pinned, x.cpu().t())
+
+
+def test_host_tensor_dropped_before_the_read_is_done():
+    x = slow_result(rounds=4)
+    for _ in range(3):
+        torch.empty(x.shape).pin_memory().copy_(x, non_blocking=True)  # freed by the user at once: held until read
+    torch.tpu.synchronize()
+    assert torch.isfinite(x.cpu()).all()
