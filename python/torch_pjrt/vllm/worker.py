@@ -167,3 +167,13 @@ class TpuWorker(CPUWorker):
         logger.info("KV cache: %s GiB of tpu memory (%s of %s GiB free)", format_gib(budget), format_gib(free),
                     format_gib(total))
         return budget
+
+    def torch_pjrt_metrics(self) -> dict:
+        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...): read from the
+        front end with LLM.collective_rpc("torch_pjrt_metrics")."""
+        torch_pjrt.sync()
+        return torch_pjrt.metrics()
+
+    def torch_pjrt_reset_metrics(self) -> None:
+        torch_pjrt.sync()
+        torch_pjrt.reset_metrics()
