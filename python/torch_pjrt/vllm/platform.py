@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
 
 ATTENTION_BACKEND = "torch_pjrt.vllm.attention.TpuAttentionBackend"
 WORKER = "torch_pjrt.vllm.worker.TpuWorker"

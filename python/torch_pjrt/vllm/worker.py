@@ -35,11 +35,12 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from .attention import TpuAttentionBackend
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
 
-# The KV cache's share of the device when neither kv_cache_memory_bytes nor a device memory limit says:
-# the CPU PJRT plugin's device memory is the host's, so the whole of it is never taken.
-HOST_DEVICE_KV_CACHE_CAP = 1 << 30
+# The most KV cache taken on the CPU PJRT plugin when kv_cache_memory_bytes is not given: its device
+# memory is the host's, shared with everything else, and on it a step's in-place page writes cost time in
+# proportion to the whole cache (docs/serving.md, "Not yet").
+HOST_DEVICE_KV_CACHE_CAP = 256 << 20
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
