@@ -1,0 +1,180 @@
+"""vLLM's CPU worker and CPU model runner, with the model and its KV cache on tpu.
+
+The runner (TpuModelRunner, a CPUModelRunner) keeps every buffer of the scheduler's bookkeeping on the
+host, as on vLLM's CPU platform: token ids, positions, query starts, sequence lengths, block tables, slot
+mappings (computed by kernels.compute_slot_mapping) and the sampler's state. What runs on tpu:
+
+- the model, built on tpu by vLLM's loader (the device config's device is `tpu`); a forward pre-hook sends
+  it the step's input ids and positions;
+- the attention metadata, sent once a step by the backend's builder (attention.py);
+- one KV cache tensor per layer, allocated here in the backend's page layout;
+- compute_logits, whose logits come back to the host for the sampler.
+
+The worker (TpuWorker, a CPUWorker) initialises the device and torch.distributed (the `tpu_dist` backend)
+instead of the CPU's memory-node binding and OpenMP set-up, and sizes the KV cache from the device's memory.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+import torch_pjrt
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.mem_utils import format_gib
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.utils import bind_kv_cache
+
+from .attention import TpuAttentionBackend
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
+
+# The most KV cache taken on the CPU PJRT plugin when kv_cache_memory_bytes is not given: its device
+# memory is the host's, shared with everything else, and on it a step's in-place page writes cost time in
+# proportion to the whole cache (docs/serving.md, "Not yet").
+HOST_DEVICE_KV_CACHE_CAP = 256 << 20
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return value
+
+
+class TpuModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, model_device: torch.device):
+        # CPUModelRunner's buffers, metadata and sampler stay on the host (`device`).
+        self.model_device = model_device
+        super().__init__(vllm_config, device)
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights)  # vLLM's loader builds the model on the device config's tpu
+        self._send_inputs_to_device(self.model)
+
+    def _send_inputs_to_device(self, model: torch.nn.Module) -> None:
+        device = self.model_device
+
+        def send_inputs(module, args, kwargs):
+            return (tuple(_to_device(a, device) for a in args),
+                    {k: _to_device(v, device) for k, v in kwargs.items()})
+
+        model.register_forward_pre_hook(send_inputs, with_kwargs=True)
+        # The runner picks the hidden states of the tokens to sample (a host index into a tpu tensor
+        # gives a tpu tensor) and hands them to compute_logits; the sampler reads the logits on the host.
+        compute_logits = model.compute_logits
+
+        def logits_on_host(hidden_states: torch.Tensor, *args, **kwargs):
+            logits = compute_logits(hidden_states.to(device), *args, **kwargs)
+            return None if logits is None else logits.to(self.device)
+
+        model.compute_logits = logits_on_host
+
+    def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int],
+                                    kv_cache_allocation_context: AbstractContextManager | None = None,
+                                    ) -> dict[str, torch.Tensor]:
+        """One tpu tensor per layer in TpuAttentionBackend's layout, instead of vLLM's views of one int8
+        buffer: the layers' pools are separate programs' operands, updated in place."""
+        specs: dict[str, AttentionSpec] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                spec = group.kv_cache_spec
+                if isinstance(spec, UniformTypeKVCacheSpecs):
+                    spec = spec.kv_cache_specs[name]
+                if not isinstance(spec, AttentionSpec):
+                    raise NotImplementedError(f"{type(spec).__name__} KV caches on torch_pjrt's vLLM platform")
+                specs[name] = spec
+        kv_caches: dict[str, torch.Tensor] = {}
+        with kv_cache_allocation_context or nullcontext():
+            for tensor in kv_cache_config.kv_cache_tensors:
+                num_blocks = kv_cache_config.num_blocks_of(tensor)
+                for name in tensor.layers:
+                    spec = specs[name]
+                    shape = TpuAttentionBackend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
+                                                               spec.head_size)
+                    kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.model_device)
+        for name, target in self.shared_kv_cache_layers.items():
+            kv_caches[name] = kv_caches[target]
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
+                      kv_cache_groups=kv_cache_config.kv_cache_groups)
+        return kv_caches
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        # Pages handed out again start from zeros (vLLM asks for it where a partial write could leave
+        # stale rows): both pools of each full-attention layer, in one write per layer.
+        if not block_ids:
+            return
+        seen: set[int] = set()
+        for group in self.kv_cache_config.kv_cache_groups:
+            if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+                continue
+            for name in group.layer_names:
+                layer = self.compilation_config.static_forward_context.get(name)
+                cache = getattr(layer, "kv_cache", None)
+                if not isinstance(cache, torch.Tensor) or id(cache) in seen:
+                    continue
+                seen.add(id(cache))
+                cache[:, torch.tensor(block_ids, device=cache.device)] = 0
+
+
+class TpuWorker(CPUWorker):
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False):
+        # CPUWorker.__init__ binds the process to a NUMA memory node through vllm._C and checks host
+        # memory: skipped for vLLM's Worker's own set-up.
+        Worker.__init__(self, vllm_config, local_rank, rank, distributed_init_method,
+                        is_driver_worker=is_driver_worker)
+        self.parallel_config.disable_custom_all_reduce = True
+
+    def init_device(self):
+        if torch_pjrt.unavailable_reason is not None:
+            raise RuntimeError(f"the tpu device is unavailable: {torch_pjrt.unavailable_reason}")
+        count = torch.tpu.device_count()
+        if self.local_rank >= count:
+            raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
+        self.device = torch.device("tpu", self.local_rank)
+        torch.tpu.set_device(self.device)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
+                                            self.local_rank, current_platform.dist_backend)
+        set_random_seed(self.model_config.seed)
+        self.model_runner = TpuModelRunner(self.vllm_config, torch.device("cpu"), self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        return nullcontext()  # no CuMem pool: torch_pjrt allocates through PJRT
+
+    def determine_available_memory(self) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            logger.info("KV cache: %s GiB as asked (kv_cache_memory_bytes)", format_gib(explicit))
+            return explicit
+        torch_pjrt.sync()
+        free, total = torch.tpu.mem_get_info(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - (total - free)
+        if torch_pjrt.platform()["name"] == "cpu":
+            # The CPU plugin's memory is the host's, shared with this process and every other one.
+            budget = min(budget, HOST_DEVICE_KV_CACHE_CAP)
+        if budget <= 0:
+            raise ValueError(f"no tpu memory left for the KV cache ({format_gib(free)} of {format_gib(total)} GiB "
+                             f"free, gpu_memory_utilization {self.cache_config.gpu_memory_utilization}): lower "
+                             "the model's footprint or pass kv_cache_memory_bytes")
+        logger.info("KV cache: %s GiB of tpu memory (%s of %s GiB free)", format_gib(budget), format_gib(free),
+                    format_gib(total))
+        return budget
+
+    def torch_pjrt_metrics(self) -> dict:
+        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...): read from the
+        front end with LLM.collective_rpc("torch_pjrt_metrics")."""
+        torch_pjrt.sync()
+        return torch_pjrt.metrics()
+
+    def torch_pjrt_reset_metrics(self) -> None:
+        torch_pjrt.sync()
+        torch_pjrt.reset_metrics()
