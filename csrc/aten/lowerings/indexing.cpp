@@ -156,8 +156,10 @@ std::vector<Value> lower_index_reduce(Context& c) {
 
 // index_copy(self, dim, index, source): slice i of source replaces slice
 // index[i] of self along dim. With repeated indices the CPU's loop leaves the
-// last copy: a max-scatter of positions finds it and the other copies get an
-// out-of-range index, which XLA's scatter skips.
+// last copy: the other copies get an out-of-range index, which XLA's scatter
+// skips. Few indices into a long dim (a KV cache's slots) compare pairwise, in
+// proportion to n^2; otherwise a max-scatter of positions over the dim finds
+// the last copy, in proportion to the dim's size.
 std::vector<Value> lower_index_copy(Context& c) {
   Builder& b = c.b;
   Value x = c.tensor("self"), index = c.tensor("index");
@@ -174,10 +176,22 @@ std::vector<Value> lower_index_copy(Context& c) {
   Value source = b.reshape(b.convert(c.tensor("source"), x.element()), update_dims);  // a 0-d source: one slice
   Value idx = b.reshape(as_index(b, index), {n, 1});
   Value positions = b.iota(TensorType{ElementType::S64, {n}}, 0);
-  hlo::Builder::ScatterDims by_slot{{}, {0}, {}, {}, {0}, 1};
-  Value last = b.scatter(b.constant_int(-1, ElementType::S64, {size}), idx, positions, by_slot, hlo::Reducer::Max);
-  hlo::Builder::GatherDims from_slot{{}, {0}, {}, {}, {0}, 1};
-  Value kept = b.compare(b.gather(last, idx, from_slot, {1}, {n}), positions, hlo::Compare::EQ);
+  Value kept;
+  if (n <= 4096 && n * n < size) {
+    // kept[i]: no j > i writes the same slice
+    const Dims pairs{n, n};
+    Value flat = b.reshape(idx, {n});
+    Value same = b.compare(b.broadcast_in_dim(flat, pairs, {0}), b.broadcast_in_dim(flat, pairs, {1}), hlo::Compare::EQ);
+    Value later = b.compare(b.iota(TensorType{ElementType::S64, pairs}, 1), b.iota(TensorType{ElementType::S64, pairs}, 0),
+                            hlo::Compare::GT);
+    Value overwritten = b.reduce(b.binary("and", same, later), b.constant_bool(false), {1}, hlo::Reducer::Or);
+    kept = b.unary("not", overwritten);
+  } else {
+    hlo::Builder::ScatterDims by_slot{{}, {0}, {}, {}, {0}, 1};
+    Value last = b.scatter(b.constant_int(-1, ElementType::S64, {size}), idx, positions, by_slot, hlo::Reducer::Max);
+    hlo::Builder::GatherDims from_slot{{}, {0}, {}, {}, {0}, 1};
+    kept = b.compare(b.gather(last, idx, from_slot, {1}, {n}), positions, hlo::Compare::EQ);
+  }
   Value target = b.select(b.reshape(kept, {n, 1}), idx, b.constant_int(size, ElementType::S64, {n, 1}));
   Dims window;
   for (int64_t d = 0; d < rank; ++d)

@@ -141,6 +141,11 @@ class TpuWorker(CPUWorker):
             raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
         self.device = torch.device("tpu", self.local_rank)
         torch.tpu.set_device(self.device)
+        # A program whose runtime check fails (a slot out of range) still raises its error, but does not keep
+        # the values it would have written: keeping them selects every written storage whole against its old
+        # value, which made each step's in-place page write cost the whole KV cache (64 MiB: 34 ms a step, 0.06
+        # ms without). A failed step fails its requests; the cache pages are theirs.
+        torch_pjrt._C._set_keep_values_on_failed_checks(False)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
                                             self.local_rank, current_platform.dist_backend)
