@@ -330,3 +330,13 @@ def test_safetensors_loads_onto_tpu_by_device_index(tmp_path):
     loaded = safetensors_torch.load_file(path, device=torch.tpu.current_device())
     for name, t in tensors.items():
         assert loaded[name].device.type == "tpu" and torch.equal(loaded[name].cpu(), t)
+
+
+def test_every_subpackage_is_in_the_wheel():
+    # A subpackage missing from pyproject's list is left out of the wheel, and `import torch_pjrt` fails there.
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    base = os.path.join(ROOT, "python")
+    found = {os.path.relpath(d, base).replace(os.sep, ".") for d, _, files in os.walk(os.path.join(base, "torch_pjrt"))
+             if "__init__.py" in files}
+    assert found == listed
