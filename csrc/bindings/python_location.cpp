@@ -7,6 +7,7 @@
 
 #include "aten/exit_gate.h"
 
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -15,6 +16,10 @@
 #include <vector>
 
 #include "graph/source_location.h"
+
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/node.h>
 
 namespace torch_pjrt {
 namespace {
@@ -25,6 +30,14 @@ struct InstructionHash {
   }
 };
 
+struct PairHash {
+  size_t operator()(const std::pair<uint64_t, uint64_t>& k) const {
+    return std::hash<uint64_t>()(k.first) * 1000003u ^ std::hash<uint64_t>()(k.second);
+  }
+};
+
+constexpr size_t kNodeLines = 1 << 20;  // nodes remembered; a step's graph has far fewer
+
 struct LocationTable {
   std::mutex mutex;
   std::vector<std::string> library_dirs;               // frames under these are not the user's
@@ -34,6 +47,12 @@ struct LocationTable {
   // is decoded from the code's line table on every call; its offset is not.
   std::unordered_map<std::pair<PyCodeObject*, int>, graph::SourceLocation, InstructionHash> by_instruction;
   std::vector<std::string> texts;  // id - 1 -> "file:line in function", made once per id
+  // The line of the op that made each recent autograd node, by (forward thread, sequence number), oldest
+  // first in node_order; and per line, the id of "that line (backward)". An op that autograd's backward runs
+  // on a thread with no user frame is named by its node's forward line.
+  std::unordered_map<std::pair<uint64_t, uint64_t>, graph::SourceLocation, PairHash> node_lines;
+  std::deque<std::pair<uint64_t, uint64_t>> node_order;
+  std::unordered_map<graph::SourceLocation, graph::SourceLocation> backward_ids;
   // Names the user's line behind a line of FX-generated code (a compiled
   // graph's "<eval_with_key>" file): callable(file, line) -> str or None.
   PyObject* generated_code_resolver = nullptr;
@@ -90,6 +109,35 @@ std::string resolve_generated(PyObject* resolver, PyCodeObject* code, int line) 
   return text;
 }
 
+// Under the table's lock, with `id` the line of the op running now: the autograd node made just before it
+// (its grad_fn, made before the kernel runs) gets that line. The first op to see a node names it.
+void note_node_line(LocationTable& t, graph::SourceLocation id) {
+  const uint64_t next = at::sequence_number::peek();
+  thread_local uint64_t last_noted = UINT64_MAX;
+  if (next == 0 || next - 1 == last_noted) return;
+  last_noted = next - 1;
+  auto key = std::make_pair(at::RecordFunction::currentThreadId(), next - 1);
+  if (!t.node_lines.emplace(key, id).second) return;
+  t.node_order.push_back(key);
+  if (t.node_order.size() > kNodeLines) {
+    t.node_lines.erase(t.node_order.front());
+    t.node_order.pop_front();
+  }
+}
+
+// The line whose op made the autograd node being evaluated (backward), as "<line> (backward)"; 0 if none.
+graph::SourceLocation backward_location() {
+  c10::intrusive_ptr<torch::autograd::Node> node = torch::autograd::get_current_node();
+  if (!node) return 0;
+  LocationTable& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.node_lines.find({node->thread_id(), node->sequence_nr()});
+  if (it == t.node_lines.end()) return 0;
+  auto [entry, fresh] = t.backward_ids.emplace(it->second, static_cast<graph::SourceLocation>(t.texts.size() + 1));
+  if (fresh) t.texts.push_back(t.texts[it->second - 1] + " (backward)");
+  return entry->second;
+}
+
 graph::SourceLocation capture_with_gil() {
   PyCodeObject* generated = nullptr;  // a fresh id on generated code: ask the resolver
   int generated_line = 0;
@@ -130,6 +178,7 @@ graph::SourceLocation capture_with_gil() {
       frame = back;
     }
     Py_XDECREF(frame);
+    if (id) note_node_line(t, id);
   }
   if (generated) {
     std::string text = resolve_generated(resolver, generated, generated_line);
@@ -145,13 +194,14 @@ graph::SourceLocation capture_with_gil() {
 
 // Op dispatch runs with the GIL released; a thread that never ran Python
 // (autograd's device threads) has no user frame to find.
+// In backward, with no user frame on the thread, the op is named by its node's forward line.
 graph::SourceLocation capture() {
-  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return 0;
+  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return backward_location();
   park_if_device_closed();  // at exit, taking the GIL would end this thread in our frames
   PyGILState_STATE gil = PyGILState_Ensure();
   graph::SourceLocation id = capture_with_gil();
   PyGILState_Release(gil);
-  return id;
+  return id ? id : backward_location();
 }
 
 // Needs no Python: errors may be described on threads without the GIL.

@@ -110,3 +110,18 @@ def test_explain_names_the_cpu_fallback_op_and_line():
     assert fallbacks[op]["count"] >= 1
     assert f"test_profiling.py:{line_of('# fallback-site')}" in " ".join(fallbacks[op]["lines"])
     assert op in str(torch_pjrt.explain())
+
+
+def test_explain_names_the_forward_line_of_a_fallback_in_backward():
+    # digamma's backward runs polygamma (no lowering: the CPU) on autograd's thread, which has no user frame:
+    # it is named by the line whose op made the autograd node, marked "(backward)".
+    assert "polygamma" not in set(torch_pjrt.lowered_ops())
+    torch_pjrt.reset_metrics()
+    x = (torch.rand(4) + 1).to("tpu").requires_grad_()
+    y = torch.digamma(x * 2)  # backward-fallback-site
+    y.sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 2 * torch.polygamma(1, 2 * x.detach().cpu()))
+    fallbacks = torch_pjrt.explain().cpu_fallbacks
+    (op,) = [name for name in fallbacks if "polygamma" in name]
+    assert f"test_profiling.py:{line_of('# backward-fallback-site')} in test_explain_names_the_forward_line_of_a_" \
+           f"fallback_in_backward (backward)" in " ".join(fallbacks[op]["lines"])
