@@ -141,7 +141,9 @@ def _register_lowering(fn, args, name="jax_op"):
     """Lowers fn for these argument types (once) and registers it; returns its key."""
     jax = _jax()
     avals = _avals(args)
-    lowered = jax.jit(fn).lower(*avals)
+    # keep_unused: jit drops unused parameters from the module (the primals of a linear function's vjp),
+    # but jax_call passes every argument.
+    lowered = jax.jit(fn, keep_unused=True).lower(*avals)
     text_for_hash = lowered.as_text()
     digest = hashlib.sha1(text_for_hash.encode()).hexdigest()[:16]
     key = f"jax_{digest}"
