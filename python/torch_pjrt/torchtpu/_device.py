@@ -103,7 +103,9 @@ def set_stream(stream) -> None:
     so every tpu Stream of a device is already its current stream; anything but a tpu stream is refused."""
     if getattr(getattr(stream, "device", None), "type", None) != "tpu":
         raise ValueError(f"expected a tpu stream, got {stream!r}")
-    _device_module()._index(stream.device)  # a valid device index
+    from .. import _C
+
+    _C._check_device_index(_device_module()._index(stream.device))
 
 
 _warned_topology_alias = False
