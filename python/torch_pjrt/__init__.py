@@ -104,6 +104,8 @@ from . import _torchtitan
 _torchtitan.install()  # torchtitan imports without Triton (its CUDA expert-parallel kernels)
 from .serving import hf_batching
 hf_batching.install()  # transformers' continuous batching sizes its cache from tpu memory
+from . import torchtpu
+torchtpu.install()  # TorchTPU's torch.tpu names (eager_mode, torch.tpu.pallas, torch.tpu.ops, ...): docs/torchtpu-compat.md
 
 
 def _print_from_host() -> None:

@@ -141,7 +141,9 @@ def _register_lowering(fn, args, name="jax_op"):
     """Lowers fn for these argument types (once) and registers it; returns its key."""
     jax = _jax()
     avals = _avals(args)
-    lowered = jax.jit(fn).lower(*avals)
+    # keep_unused: jit drops unused parameters from the module (the primals of a linear function's vjp),
+    # but jax_call passes every argument.
+    lowered = jax.jit(fn, keep_unused=True).lower(*avals)
     text_for_hash = lowered.as_text()
     digest = hashlib.sha1(text_for_hash.encode()).hexdigest()[:16]
     key = f"jax_{digest}"
@@ -180,14 +182,31 @@ def _define_jax_call() -> None:
     _library.impl("jax_call", cpu, "CPU")
 
 
-def _run_on_cpu(fn, args):
+def _to_numpy(t):
+    """A CPU tensor as a NumPy array; bfloat16 (which NumPy lacks) as JAX's ml_dtypes bfloat16."""
+    import jax.numpy as jnp
+
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.numpy()
+
+
+def _from_numpy(a):
     import numpy as np
 
+    a = np.array(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _run_on_cpu(fn, args):
     jax = _jax()
     cpu_device = jax.devices("cpu")[0]
-    xs = [jax.device_put(np.asarray(a.detach().contiguous().numpy()), cpu_device) for a in args]
+    xs = [jax.device_put(_to_numpy(a), cpu_device) for a in args]
     outs = fn(*xs)
-    return [torch.from_numpy(np.array(o)) for o in outs]
+    return [_from_numpy(o) for o in outs]
 
 
 def _float(t) -> bool:

@@ -123,6 +123,28 @@ def test_multiple_outputs_and_decorator():
     torch.testing.assert_close(c.cpu(), x.cos() * 2, **TOL)
 
 
+def test_unused_argument_and_linear_backward():
+    """jit drops unused parameters from its module, but jax_call passes every argument: an unused input, and the
+    backward of a linear function (whose vjp does not read the primals), must still compile."""
+    op = torch_pjrt.jax_op("pjrt_test::linear_pair", lambda x, y, unused: (x * 2 + y, x - y))
+    x, y, z = torch.randn(4, 3), torch.randn(4, 3), torch.randn(2)
+    xd = x.to(DEVICE).requires_grad_()
+    a, b = op(xd, y.to(DEVICE), z.to(DEVICE))
+    torch.testing.assert_close(a.detach().cpu(), x * 2 + y, **TOL)
+    (a.sum() + 2 * b.sum()).backward()
+    torch.testing.assert_close(xd.grad.cpu(), torch.full((4, 3), 4.0), **TOL)
+
+
+def test_bfloat16_on_cpu_tensors():
+    """NumPy has no bfloat16: the CPU path goes through JAX's ml_dtypes bfloat16, both ways."""
+    op = torch_pjrt.jax_op("pjrt_test::bf16_scale", lambda x: (x * 3).astype(jnp.bfloat16))
+    x = torch.randn(5).to(torch.bfloat16)
+    for device in ("cpu", DEVICE):
+        out = op(x.to(device))
+        assert out.dtype == torch.bfloat16 and out.device.type == device
+        torch.testing.assert_close(out.cpu(), x * 3, atol=0, rtol=0)
+
+
 def test_int64_argument_without_x64_is_refused():
     @torch_pjrt.jax_op("pjrt_test::plus_one")
     def plus_one(x):
