@@ -29,6 +29,8 @@ const std::vector<Setting>& all() {
       {"TORCH_PJRT_FUSION_COST", "8192", "estimated cost of a fused graph before it is cut"},
       {"TORCH_PJRT_BATCH_BUCKETS", "1", "torch.compile inference: run a dynamic batch at a bucket size (0: every exact size)"},
       {"TORCH_PJRT_COMPILE_REPLAY", "1", "torch.compile: replay a compiled graph as one program (0: op by op, fused)"},
+      // Serving.
+      {"TORCH_PJRT_VLLM", "", "vLLM platform plugin: 1 always takes the tpu platform, 0 steps aside (unset: see docs/serving.md)"},
       // Debugging.
       {"TORCH_PJRT_CHECK_NANS", "0", "debug mode: raise at the op whose floating-point result has a NaN or Inf"},
   };

@@ -8,7 +8,7 @@ Debug, Strict and Fused Eager):
     EagerMode.DEFER_AND_FUSE                   "fused"   ops recorded and run as fused XLA graphs
 
 torch_pjrt's "lazy" mode (graphs run only at sync() or when data is read) has no public TorchTPU name; while it
-is on, torch.tpu.eager_mode is EagerMode._TORCH_PJRT_LAZY.
+is on, torch.tpu.eager_mode is EagerMode._LAZY.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class EagerMode(enum.Enum):
     DEFER_AND_FUSE = "fused"
     DEFER_NEVER = "strict"
     DEFER_NEVER_AND_LAUNCH_BLOCKING = "debug"
-    _TORCH_PJRT_LAZY = "lazy"
+    _LAZY = "lazy"
 
 
 def _mode_name(mode) -> str:

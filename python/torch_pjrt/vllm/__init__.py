@@ -33,19 +33,21 @@ logger = logging.getLogger(__name__)
 
 
 def _reason_to_step_aside() -> str | None:
-    choice = os.environ.get("TORCH_PJRT_VLLM", "").strip().lower()
+    try:
+        import torch_pjrt
+        from torch_pjrt import _settings
+    except Exception as e:  # noqa: BLE001 - a plugin probe must never raise
+        return f"torch_pjrt does not import: {e!r}"
+    choice = _settings.text("TORCH_PJRT_VLLM").strip().lower()
     if choice in _OFF:
         return "TORCH_PJRT_VLLM=" + choice
     if choice not in _ON:
         target = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
         if target and target != "tpu":
             return f"VLLM_TARGET_DEVICE={target}"
-        if importlib.util.find_spec("libtpu") is not None and not os.environ.get("TORCH_PJRT_PLUGIN"):
+        plugin_set = any(row[0] == "TORCH_PJRT_PLUGIN" and row[3] is not None for row in _settings.table())
+        if importlib.util.find_spec("libtpu") is not None and not plugin_set:
             return "libtpu is installed: vLLM's own TPU platform is wanted (TORCH_PJRT_VLLM=1 overrides)"
-    try:
-        import torch_pjrt
-    except Exception as e:  # noqa: BLE001 - a plugin probe must never raise
-        return f"torch_pjrt does not import: {e!r}"
     if torch_pjrt.unavailable_reason is not None:
         return torch_pjrt.unavailable_reason
     return None

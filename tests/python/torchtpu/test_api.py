@@ -90,7 +90,7 @@ def test_eager_modes_are_torch_pjrt_modes():
     EagerMode = torch.tpu.EagerMode
     assert {m.name: m.value for m in EagerMode} == {
         "DEFER_AND_FUSE": "fused", "DEFER_NEVER": "strict", "DEFER_NEVER_AND_LAUNCH_BLOCKING": "debug",
-        "_TORCH_PJRT_LAZY": "lazy"}
+        "_LAZY": "lazy"}
     before = torch_pjrt.get_mode()
     try:
         torch.tpu.eager_mode = EagerMode.DEFER_NEVER
@@ -107,7 +107,7 @@ def test_eager_modes_are_torch_pjrt_modes():
                 torch.testing.assert_close(y, x.sin() * 3, **TOL)
             assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER  # restored after the block
         with torch_pjrt.mode("lazy"):
-            assert torch.tpu.eager_mode is EagerMode._TORCH_PJRT_LAZY
+            assert torch.tpu.eager_mode is EagerMode._LAZY
         with pytest.raises(ValueError, match="expected a torch.tpu.EagerMode"):
             torch.tpu.eager_mode = "eager"
         with pytest.raises(ValueError, match="expected a torch.tpu.EagerMode"):
