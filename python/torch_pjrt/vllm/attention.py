@@ -25,7 +25,10 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+from .buckets import Buckets
 
 
 class TpuAttentionBackend(AttentionBackend):
@@ -79,30 +82,55 @@ class TpuAttentionMetadata:
 
 
 class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]):
-    """Sends the step's host metadata to tpu once; every layer's forward reads the same tensors."""
+    """Pads the step's host metadata to its buckets (buckets.py) and sends it to tpu once; every layer's
+    forward reads the same tensors."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # The runner builds on the host (device is the CPU); the model and its cache are on tpu.
         self.model_device = vllm_config.device_config.device
+        self.buckets = Buckets.from_config(vllm_config)
+        self.block_size = kv_cache_spec.block_size
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuAttentionMetadata:
         m = common_attn_metadata
         if not isinstance(m.causal, bool):
             raise NotImplementedError("per-token causal masks on torch_pjrt's vLLM attention backend")
+        n, r = m.num_actual_tokens, m.num_reqs
+        return self.padded(self.buckets.num_tokens(n), self.buckets.num_reqs(r), m.query_start_loc_cpu[: r + 1],
+                           m.seq_lens[:r], m.block_table_tensor[:r], m.slot_mapping[:n], m.max_query_len,
+                           m.max_seq_len, m.causal)
+
+    def padded(self, num_tokens: int, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor, slot_mapping: torch.Tensor, max_query_len: int, max_seq_len: int,
+               causal: bool = True) -> TpuAttentionMetadata:
+        """The metadata of a step padded to num_tokens and num_reqs, from host tensors of its real tokens and
+        requests (TpuModelRunner.warm_up_buckets passes none of either). Padded requests start after the last
+        token, hold no keys and read the null block; padded tokens write into the null block, which no request
+        reads (a block table row's unused entries are masked by its sequence length)."""
+        n, r = slot_mapping.shape[0], seq_lens.shape[0]
+        starts = torch.full((num_reqs + 1,), int(query_start_loc[r]) if r else 0, dtype=torch.int32)
+        starts[: r + 1] = query_start_loc
+        lengths = torch.zeros(num_reqs, dtype=torch.int32)
+        lengths[:r] = seq_lens
+        table = torch.full((num_reqs, block_table.shape[1]), NULL_BLOCK_ID, dtype=torch.int32)
+        table[:r] = block_table
+        # The null block's rows, in turn (fewer duplicate slots in one write).
+        slots = torch.arange(num_tokens, dtype=torch.int64).remainder_(self.block_size).add_(
+            NULL_BLOCK_ID * self.block_size)
+        slots[:n] = slot_mapping
         to = self.model_device
-        n = m.num_actual_tokens
         return TpuAttentionMetadata(
-            num_actual_tokens=n,
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            query_start_loc=m.query_start_loc[: m.num_reqs + 1].to(to, torch.int32),
-            seq_lens=m.seq_lens[: m.num_reqs].to(to, torch.int32),
-            block_table=m.block_table_tensor[: m.num_reqs].to(to, torch.int32),
-            slot_mapping=m.slot_mapping[:n].to(to, torch.int64),
-            causal=m.causal,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=starts.to(to),
+            seq_lens=lengths.to(to),
+            block_table=table.to(to),
+            slot_mapping=slots.to(to),
+            causal=causal,
         )
 
 
@@ -140,7 +168,10 @@ class TpuAttentionImpl(AttentionImpl[TpuAttentionMetadata]):
             raise NotImplementedError("fused output quantization on torch_pjrt's vLLM attention backend")
         if attn_metadata is None:  # a profiling run without a cache
             return output
-        n = attn_metadata.num_actual_tokens
+        n = attn_metadata.num_actual_tokens  # the step's token bucket: the rows of query, key and value
+        if query.shape[0] != n:
+            raise RuntimeError(f"a step of {query.shape[0]} tokens with attention metadata padded to {n}: "
+                               "the runner and the metadata builder disagree on the token bucket")
         keys, values = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size] each
         if self.kv_sharing_target_layer_name is None and key is not None:
             # One write over the layer's whole storage (keys' slots, then values' one pool further): a write

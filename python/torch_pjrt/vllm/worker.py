@@ -15,6 +15,8 @@ instead of the CPU's memory-node binding and OpenMP set-up, and sizes the KV cac
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 import torch_pjrt
 
 from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import format_gib
@@ -34,6 +37,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import bind_kv_cache
 
 from .attention import TpuAttentionBackend
+from .buckets import Buckets
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
 
@@ -54,6 +58,32 @@ class TpuModelRunner(CPUModelRunner):
         # CPUModelRunner's buffers, metadata and sampler stay on the host (`device`).
         self.model_device = model_device
         super().__init__(vllm_config, device)
+        # Each step's token count and request count round up to a bucket (buckets.py): the model runs on the
+        # padded tokens, the attention builder pads its metadata the same way, and the logits of the padded
+        # request rows are dropped on the host.
+        self.buckets = Buckets.from_config(vllm_config)
+        self._logit_rows: int | None = None  # the real rows of the next compute_logits, when padded
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args, **kwargs):
+        # vLLM pads the model's inputs (input ids, positions) to the batch descriptor's token count: the
+        # step's token bucket. The attention metadata stays unpadded here (no full CUDA graph), and
+        # TpuAttentionMetadataBuilder pads it to the same buckets.
+        mode, descriptor, *rest = super()._determine_batch_execution_and_padding(num_tokens, num_reqs, *args,
+                                                                                **kwargs)
+        descriptor = dataclasses.replace(descriptor, num_tokens=self.buckets.num_tokens(descriptor.num_tokens))
+        return (mode, descriptor, *rest)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_decode_metadata, max_num_sampled_tokens = super()._prepare_inputs(
+            scheduler_output, num_scheduled_tokens)
+        if spec_decode_metadata is None:
+            # One logit row per request, padded to the request bucket with rows of token 0; compute_logits
+            # (load_model's wrapper) hands the sampler the real rows only.
+            rows = logits_indices.shape[0]
+            padded = logits_indices.new_zeros(self.buckets.num_reqs(rows))
+            padded[:rows] = logits_indices
+            logits_indices, self._logit_rows = padded, rows
+        return logits_indices, spec_decode_metadata, max_num_sampled_tokens
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights)  # vLLM's loader builds the model on the device config's tpu
@@ -72,10 +102,60 @@ class TpuModelRunner(CPUModelRunner):
         compute_logits = model.compute_logits
 
         def logits_on_host(hidden_states: torch.Tensor, *args, **kwargs):
+            rows, self._logit_rows = self._logit_rows, None
             logits = compute_logits(hidden_states.to(device), *args, **kwargs)
-            return None if logits is None else logits.to(self.device)
+            if logits is None:
+                return None
+            logits = logits.to(self.device)  # all the bucket's rows: slicing on tpu would be a new program
+            return logits if rows is None else logits[:rows]
 
         model.compute_logits = logits_on_host
+
+    @torch.inference_mode()  # as execute_model: the same graphs (torch_pjrt cuts one where a module call returns)
+    def warm_up_buckets(self) -> None:
+        """Runs a step of every (token bucket, request bucket) pair once, so that each program a step can
+        need is compiled (or loaded from torch_pjrt's disk cache) before serving. Every request of these steps
+        is padding: their attention sees no key and their keys and values go to the null block."""
+        if not self.kv_caches:
+            return
+        # Run what is pending (the caches' zeros, the weights' copies) first: recorded into the first bucket's
+        # graph, it would make that graph one no step finds again.
+        torch_pjrt.sync()
+        start = time.perf_counter()
+        before = torch_pjrt.metrics()
+        pairs = self.buckets.pairs()
+        for num_tokens, num_reqs in pairs:
+            self._dummy_bucket_step(num_tokens, num_reqs)
+        torch_pjrt.sync()
+        after = torch_pjrt.metrics()
+        self.bucket_warm_up_stats = {
+            "pairs": len(pairs), "seconds": time.perf_counter() - start,
+            "compiles": after["compiles"] - before["compiles"],
+            "disk_cache_hits": after["disk_cache_hits"] - before["disk_cache_hits"]}
+        logger.info("Warmed up %d (tokens, requests) buckets in %.1f s (tokens %s, requests %s): %d compiles, "
+                    "%d programs from the disk cache", len(pairs), self.bucket_warm_up_stats["seconds"],
+                    list(self.buckets.tokens), list(self.buckets.requests), self.bucket_warm_up_stats["compiles"],
+                    self.bucket_warm_up_stats["disk_cache_hits"])
+
+    def _dummy_bucket_step(self, num_tokens: int, num_reqs: int) -> None:
+        """execute_model's device work for a step of num_tokens tokens and num_reqs requests, all padding."""
+        attn_metadata: dict[str, Any] = {}
+        for gid, groups in enumerate(self.attn_groups):
+            block_table = self.input_batch.block_table[gid].get_device_tensor(0)
+            for group in groups:
+                empty = group.map_to_kernel_block_table(block_table, 0)
+                metadata = group.get_metadata_builder(0).padded(
+                    num_tokens, num_reqs, torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                    empty, torch.zeros(0, dtype=torch.int64), 0, 0)
+                for name in group.layer_names:
+                    attn_metadata[name] = metadata
+        input_ids = torch.zeros(num_tokens, dtype=self.input_ids.cpu.dtype)
+        positions = torch.zeros(num_tokens, dtype=self.positions.dtype)
+        logits_indices = torch.zeros(num_reqs, dtype=self.query_start_loc.cpu.dtype)
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens, slot_mapping={}):
+            hidden_states = self._model_forward(input_ids=input_ids, positions=positions, intermediate_tensors=None,
+                                                inputs_embeds=None, **self._init_model_kwargs())
+        self.model.compute_logits(hidden_states[logits_indices])
 
     def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int],
                                     kv_cache_allocation_context: AbstractContextManager | None = None,
@@ -151,6 +231,11 @@ class TpuWorker(CPUWorker):
                                             self.local_rank, current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self.model_runner = TpuModelRunner(self.vllm_config, torch.device("cpu"), self.device)
+
+    def compile_or_warm_up_model(self):
+        # Called once the KV cache is allocated: every program a step can need compiles here, not while serving.
+        self.model_runner.warm_up_buckets()
+        return super().compile_or_warm_up_model()
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         return nullcontext()  # no CuMem pool: torch_pjrt allocates through PJRT
