@@ -63,6 +63,7 @@ class TpuModelRunner(CPUModelRunner):
         # request rows are dropped on the host.
         self.buckets = Buckets.from_config(vllm_config)
         self._logit_rows: int | None = None  # the real rows of the next compute_logits, when padded
+        self.bucket_warm_up_stats: dict[str, Any] = {}  # warm_up_buckets' buckets, time, compiles
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args, **kwargs):
         # vLLM pads the model's inputs (input ids, positions) to the batch descriptor's token count: the
@@ -129,6 +130,7 @@ class TpuModelRunner(CPUModelRunner):
         torch_pjrt.sync()
         after = torch_pjrt.metrics()
         self.bucket_warm_up_stats = {
+            "tokens": list(self.buckets.tokens), "requests": list(self.buckets.requests),
             "pairs": len(pairs), "seconds": time.perf_counter() - start,
             "compiles": after["compiles"] - before["compiles"],
             "disk_cache_hits": after["disk_cache_hits"] - before["disk_cache_hits"]}
@@ -264,6 +266,11 @@ class TpuWorker(CPUWorker):
         front end with LLM.collective_rpc("torch_pjrt_metrics")."""
         torch_pjrt.sync()
         return torch_pjrt.metrics()
+
+    def torch_pjrt_warm_up(self) -> dict:
+        """What the bucket warm-up at engine start did (LLM.collective_rpc("torch_pjrt_warm_up")): the token and
+        request buckets, the pairs run, seconds, compiles and programs loaded from the disk cache."""
+        return dict(self.model_runner.bucket_warm_up_stats)
 
     def torch_pjrt_reset_metrics(self) -> None:
         torch_pjrt.sync()

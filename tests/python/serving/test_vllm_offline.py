@@ -1,6 +1,8 @@
 """vLLM's offline LLM.generate on tpu through torch_pjrt's platform plugin (torch_pjrt.vllm, docs/serving.md):
-greedy tokens of a tiny random-init Llama equal transformers' generate() on the CPU, for three prompts of
-different lengths batched together, with no CPU fallback in the engine's process.
+greedy tokens of a tiny random-init Llama equal transformers' generate() on the CPU, with no CPU fallback in the
+engine's process, and nothing compiles after the engine's warm-up of its token and request buckets: one engine
+runs batches of different sizes, a lone prompt after a batch, chunked prefills (max_num_batched_tokens=32), the
+same prompts again (prefix-cache hits) and a batch of five.
 
 The engine runs in a child process (this file run as a script), as a user's script would: vLLM spawns its
 engine core and sets process-wide state (logging, torch settings) that the test process must not keep.
@@ -19,6 +21,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PROMPTS = [[1, 5, 9, 33, 100], [1, 7, 200, 3, 44, 45, 46, 47, 80, 12, 13, 90, 91, 92], [1, 250]]
 NEW_TOKENS = 12
+MAX_NUM_BATCHED_TOKENS = 32  # prompts longer than this prefill in chunks over several steps
+
+
+def _prompt(length, seed):
+    return [1] + [(seed * 37 + i * 11) % 253 + 3 for i in range(length - 1)]
+
+
+CHUNKED = [_prompt(41, 1), _prompt(71, 2), _prompt(4, 3)]
+# One generate() each, in order: batched prompts, a lone prompt after the batch, chunked prefills, the same again
+# (their first blocks now prefix-cache hits), five requests (the request bucket of 8).
+ROUNDS = [PROMPTS, [_prompt(9, 4)], CHUNKED, CHUNKED,
+          [_prompt(3, 5), _prompt(20, 6), _prompt(7, 7), _prompt(11, 8), _prompt(30, 9)]]
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (docs/serving.md says how)")
@@ -60,8 +74,8 @@ def entry_point_env(tmp_path):
 def test_offline_generate_on_tpu_matches_transformers_greedy(tmp_path):
     model = tiny_llama(tmp_path / "tiny-llama")
     with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        want = [[model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts] for prompts in ROUNDS]
 
     result = tmp_path / "result.json"
     run = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path / "tiny-llama"), str(result)],
@@ -71,8 +85,16 @@ def test_offline_generate_on_tpu_matches_transformers_greedy(tmp_path):
     got = json.loads(result.read_text())
     assert got["platform"] == "torch_pjrt.vllm.platform.TpuPlatform"
     assert got["tokens"] == want
-    assert got["metrics"]["cpu_fallbacks"] == {}, got["metrics"]["cpu_fallbacks"]
-    assert got["metrics"]["lowered_ops"].get("aten::_flash_attention_forward", 0) > 0
+    warm_up = got["warm_up"]
+    assert warm_up["tokens"] == [16, 32] and warm_up["requests"] == [1, 2, 4, 8], warm_up
+    assert warm_up["pairs"] == 8, warm_up
+    for phase in ("start", "serving"):
+        assert got[phase]["cpu_fallbacks"] == {}, (phase, got[phase]["cpu_fallbacks"])
+    assert got["start"]["lowered_ops"].get("aten::_flash_attention_forward", 0) > 0
+    # After the warm-up, no step compiled a program or loaded one from the disk cache: every batch shape
+    # was a bucket the warm-up had run.
+    serving = got["serving"]
+    assert (serving["compiles"], serving["disk_cache_hits"]) == (0, 0), serving["recompile_reasons"]
 
 
 def test_the_plugin_steps_aside_when_told(monkeypatch):
@@ -88,20 +110,28 @@ def test_the_plugin_steps_aside_when_told(monkeypatch):
 
 
 def main(model_dir, result_path):
-    """The engine's side: one LLM, one generate() of the three prompts, the worker's torch_pjrt metrics."""
+    """The engine's side: one LLM, its warm-up, then one generate() per round with the worker's torch_pjrt metrics
+    reset after the warm-up."""
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=8,
-              block_size=16, kv_cache_memory_bytes=8 << 20, enforce_eager=True)
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, block_size=16, kv_cache_memory_bytes=8 << 20,
+              enforce_eager=True)
+    start = llm.collective_rpc("torch_pjrt_metrics")[0]
+    warm_up = llm.collective_rpc("torch_pjrt_warm_up")[0]
+    llm.collective_rpc("torch_pjrt_reset_metrics")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    metrics = llm.collective_rpc("torch_pjrt_metrics")[0]
+    tokens = []
+    for prompts in ROUNDS:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    serving = llm.collective_rpc("torch_pjrt_metrics")[0]
     platform = type(current_platform)
+    keys = ("cpu_fallbacks", "lowered_ops", "compiles", "disk_cache_hits", "recompile_reasons")
     with open(result_path, "w") as f:
-        json.dump({"platform": f"{platform.__module__}.{platform.__qualname__}",
-                   "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                   "metrics": {k: metrics[k] for k in ("cpu_fallbacks", "lowered_ops", "compiles")}}, f)
+        json.dump({"platform": f"{platform.__module__}.{platform.__qualname__}", "tokens": tokens, "warm_up": warm_up,
+                   "start": {k: start[k] for k in keys}, "serving": {k: serving[k] for k in keys}}, f)
 
 
 if __name__ == "__main__":
