@@ -7,6 +7,11 @@ slot (slot = page * block_size + row, vLLM's slot mapping) with one index_copy_ 
 of the layer's whole cache (values' slots one pool further), then attends with varlen_attn over the pools: cu_seq_q from the query starts, seqused_k from the
 sequence lengths, the block table as the scheduler filled it, causal aligned bottom-right (a request's new
 queries are its last tokens). No vllm._C op is called.
+
+The builder pads the metadata to the step's buckets (buckets.py): padded tokens follow the last request's and
+write into vLLM's null block (block 0, never handed to a request); padded requests have no queries, sequence
+length 0 and a block-table row of the null block. The tokens of no request, and requests with no keys, get
+zeros from varlen_attn's lowering.
 """
 from __future__ import annotations
 

@@ -10,6 +10,11 @@ mappings (computed by kernels.compute_slot_mapping) and the sampler's state. Wha
 - one KV cache tensor per layer, allocated here in the backend's page layout;
 - compute_logits, whose logits come back to the host for the sampler.
 
+Each step runs at a padded shape (buckets.py): its token count rounds up to a token bucket (vLLM pads the
+input ids and positions to the batch descriptor's token count) and its request count to a request bucket (the
+logit rows here, the attention metadata in the backend's builder). The worker's compile_or_warm_up_model, which
+vLLM calls once the KV cache is allocated, runs a dummy step of every pair, so serving compiles nothing.
+
 The worker (TpuWorker, a CPUWorker) initialises the device and torch.distributed (the `tpu_dist` backend)
 instead of the CPU's memory-node binding and OpenMP set-up, and sizes the KV cache from the device's memory.
 """
@@ -75,6 +80,7 @@ class TpuModelRunner(CPUModelRunner):
         return (mode, descriptor, *rest)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._logit_rows = None
         logits_indices, spec_decode_metadata, max_num_sampled_tokens = super()._prepare_inputs(
             scheduler_output, num_scheduled_tokens)
         if spec_decode_metadata is None:
@@ -112,31 +118,52 @@ class TpuModelRunner(CPUModelRunner):
 
         model.compute_logits = logits_on_host
 
+    def attention_bytes(self, num_tokens: int, num_reqs: int) -> int:
+        """The largest intermediate of a step's attention (packed_attention.cpp): float32 scores of every query
+        head and token against every key slot of every request's block-table row."""
+        table = self.input_batch.block_table[0]
+        keys = num_reqs * table.max_num_blocks_per_req * table.block_size
+        heads = self.model_config.get_num_attention_heads(self.parallel_config)
+        return 4 * heads * num_tokens * keys
+
     @torch.inference_mode()  # as execute_model: the same graphs (torch_pjrt cuts one where a module call returns)
     def warm_up_buckets(self) -> None:
         """Runs a step of every (token bucket, request bucket) pair once, so that each program a step can
         need is compiled (or loaded from torch_pjrt's disk cache) before serving. Every request of these steps
-        is padding: their attention sees no key and their keys and values go to the null block."""
+        is padding: their attention sees no key and their keys and values go to the null block.
+
+        Pairs whose attention would take more than a quarter of the device's free memory are left out (and
+        logged): such a step could not run anyway, and vLLM's default limits (8192 tokens, 256 requests) give
+        pairs of many GiB with a long max_model_len."""
         if not self.kv_caches:
             return
         # Run what is pending (the caches' zeros, the weights' copies) first: recorded into the first bucket's
         # graph, it would make that graph one no step finds again.
         torch_pjrt.sync()
+        budget = torch.tpu.mem_get_info(self.model_device)[0] // 4
+        pairs, skipped = [], []
+        for pair in self.buckets.pairs():
+            (pairs if self.attention_bytes(*pair) <= budget else skipped).append(pair)
+        if skipped:
+            logger.warning("Not warming up %d (tokens, requests) buckets whose attention would need more than %s "
+                           "GiB (a quarter of the free device memory): %s. A step of those shapes compiles when it "
+                           "first comes; lower max_num_batched_tokens, max_num_seqs or max_model_len to avoid them.",
+                           len(skipped), format_gib(budget), skipped)
+        logger.info("Warming up %d (tokens, requests) buckets: tokens %s, requests %s", len(pairs),
+                    list(self.buckets.tokens), list(self.buckets.requests))
         start = time.perf_counter()
         before = torch_pjrt.metrics()
-        pairs = self.buckets.pairs()
         for num_tokens, num_reqs in pairs:
             self._dummy_bucket_step(num_tokens, num_reqs)
         torch_pjrt.sync()
         after = torch_pjrt.metrics()
         self.bucket_warm_up_stats = {
             "tokens": list(self.buckets.tokens), "requests": list(self.buckets.requests),
-            "pairs": len(pairs), "seconds": time.perf_counter() - start,
+            "pairs": len(pairs), "skipped": skipped, "seconds": time.perf_counter() - start,
             "compiles": after["compiles"] - before["compiles"],
             "disk_cache_hits": after["disk_cache_hits"] - before["disk_cache_hits"]}
-        logger.info("Warmed up %d (tokens, requests) buckets in %.1f s (tokens %s, requests %s): %d compiles, "
-                    "%d programs from the disk cache", len(pairs), self.bucket_warm_up_stats["seconds"],
-                    list(self.buckets.tokens), list(self.buckets.requests), self.bucket_warm_up_stats["compiles"],
+        logger.info("Warmed up %d buckets in %.1f s: %d compiles, %d programs from the disk cache", len(pairs),
+                    self.bucket_warm_up_stats["seconds"], self.bucket_warm_up_stats["compiles"],
                     self.bucket_warm_up_stats["disk_cache_hits"])
 
     def _dummy_bucket_step(self, num_tokens: int, num_reqs: int) -> None:

@@ -87,7 +87,7 @@ def test_offline_generate_on_tpu_matches_transformers_greedy(tmp_path):
     assert got["tokens"] == want
     warm_up = got["warm_up"]
     assert warm_up["tokens"] == [16, 32] and warm_up["requests"] == [1, 2, 4, 8], warm_up
-    assert warm_up["pairs"] == 8, warm_up
+    assert (warm_up["pairs"], warm_up["skipped"]) == (8, []), warm_up
     for phase in ("start", "serving"):
         assert got[phase]["cpu_fallbacks"] == {}, (phase, got[phase]["cpu_fallbacks"])
     assert got["start"]["lowered_ops"].get("aten::_flash_attention_forward", 0) > 0
@@ -95,6 +95,20 @@ def test_offline_generate_on_tpu_matches_transformers_greedy(tmp_path):
     # was a bucket the warm-up had run.
     serving = got["serving"]
     assert (serving["compiles"], serving["disk_cache_hits"]) == (0, 0), serving["recompile_reasons"]
+
+
+def test_buckets_cover_every_step_shape():
+    from torch_pjrt.vllm.buckets import Buckets
+
+    b = Buckets.of(max_num_batched_tokens=48, max_num_seqs=6)
+    assert (b.tokens, b.requests) == ((16, 32, 48), (1, 2, 4, 6))
+    assert [b.num_tokens(n) for n in (1, 16, 17, 33, 48)] == [16, 16, 32, 48, 48]
+    assert [b.num_reqs(n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    with pytest.raises(ValueError):
+        b.num_tokens(49)
+    # Every (tokens, requests) a step can have (at least one token per request) pads to a warmed pair.
+    assert {(b.num_tokens(t), b.num_reqs(r)) for t in range(1, 49) for r in range(1, min(t, 6) + 1)} == set(b.pairs())
+    assert Buckets.of(8, 256).pairs() == [(8, 1), (8, 2), (8, 4), (8, 8)]
 
 
 def test_the_plugin_steps_aside_when_told(monkeypatch):
