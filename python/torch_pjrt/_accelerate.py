@@ -39,6 +39,8 @@ import warnings
 
 import torch
 
+from ._after_import import PatchingLoader, spec_with_patch
+
 _BACKEND = "tpu_dist"
 _FP16_REFUSAL = "fp16 mixed precision is not supported on 'tpu'"
 
@@ -250,26 +252,13 @@ if __name__ == "__main__":
 """
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, name):
-        self._loader, self._name = loader, name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _apply(self._name, module)
-
+class _PatchingLoader(PatchingLoader):
     def get_code(self, fullname):
         # Only runpy (`python -m`) asks this loader for code: imports go through exec_module, whose inner
         # loader reads its own code. Run as __main__, the module's code would call main() before any patch.
         if fullname in _RUN_AS_MAIN:
             return compile(_MAIN_CODE.format(name=fullname), f"<torch_pjrt: python -m {fullname}>", "exec")
         return self._loader.get_code(fullname)
-
-    def __getattr__(self, attr):  # get_source, get_resource_reader, ...: the real loader's
-        return getattr(self._loader, attr)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -284,17 +273,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             _apply_finished()
         if name not in _PATCHES:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, name)
-        return spec
+        return spec_with_patch(self, name, path, target, _PatchingLoader, _apply)
 
 
 def install() -> None:

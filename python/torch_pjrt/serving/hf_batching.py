@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from ._after_import import after_import
+from .._after_import import after_import
 
 _CACHE_MODULE = "transformers.generation.continuous_batching.cache"
 _sizing_for = threading.local()  # the device of the cache being made on this thread
