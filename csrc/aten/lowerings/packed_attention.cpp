@@ -40,6 +40,16 @@ struct PackedLanes {
   std::optional<Value> gathered;  // [1, T]: per_seq[seq]
 };
 
+// per[seq[t]] for each lane t as [1, T] (0 where seq[t] names no sequence): seq is s64[T], per s64[N]. A
+// one-hot sum, not a gather: N is small and lanes past the sequences need no index in range.
+Value at_seq(Builder& b, Value seq, Value per) {
+  const int64_t count = seq.dims()[0], n = per.dims()[0];
+  const Dims grid{count, n};
+  Value mine = b.compare(b.broadcast_in_dim(seq, grid, {0}), b.iota(TensorType{s64, grid}, 1), Compare::EQ);
+  Value picked = b.select(mine, b.broadcast_in_dim(per, grid, {1}), b.constant_int(0, s64, grid));
+  return b.reshape(b.reduce(picked, b.constant_int(0, s64), {1}, Reducer::Add), {1, count});
+}
+
 PackedLanes packed_lanes(Builder& b, Value cu, int64_t count, std::optional<Value> per_seq = std::nullopt) {
   const int64_t n = cu.dims()[0] - 1;
   Value starts = b.slice(cu, {0}, {n}, {1}), ends = b.slice(cu, {1}, {n + 1}, {1});
@@ -47,11 +57,7 @@ PackedLanes packed_lanes(Builder& b, Value cu, int64_t count, std::optional<Valu
   Value lane = b.iota(TensorType{s64, grid}, 0);
   Value ended = b.compare(b.broadcast_in_dim(ends, grid, {1}), lane, Compare::LE);
   Value seq = b.reduce(b.convert(ended, s64), b.constant_int(0, s64), {1}, Reducer::Add);  // [T]
-  Value mine = b.compare(b.broadcast_in_dim(seq, grid, {0}), b.iota(TensorType{s64, grid}, 1), Compare::EQ);
-  auto at_seq = [&](Value per) {  // per[seq[t]], 0 for padding lanes
-    Value picked = b.select(mine, b.broadcast_in_dim(per, grid, {1}), b.constant_int(0, s64, grid));
-    return b.reshape(b.reduce(picked, b.constant_int(0, s64), {1}, Reducer::Add), {1, count});
-  };
+  auto at_seq = [&](Value per) { return lowering::at_seq(b, seq, per); };
   Value start = at_seq(starts);
   PackedLanes out{Lanes{b.reshape(seq, {1, count}), {}, {}}, at_seq(b.binary("subtract", ends, starts)), std::nullopt};
   Value t = b.iota(TensorType{s64, {1, count}}, 1);
@@ -72,6 +78,43 @@ struct Problem {
 };
 
 Value as_s64(Builder& b, Value x) { return x.element() == s64 ? x : b.convert(x, s64); }
+
+// Keys and values of sequence s are the pages block_table[s, :] laid end to end: read them into [1, N * L]
+// lanes (L = pages per sequence * page size, k and v given as [P, page, Hkv, D] and replaced), a lane valid
+// below its sequence's seqused_k.
+Lanes read_paged(Context& c, Value& k, Value& v, int64_t n, Value used) {
+  Builder& b = c.b;
+  const Dims kd = k.dims();
+  const Dims table = c.tensor_dims("block_table");
+  const int64_t page = kd[1], width = table[1] * page, lanes = n * width;
+  // Slot j of sequence s is on page block_table[s, j / page], at row j % page.
+  Value pages = b.reshape(as_s64(b, c.tensor("block_table")), {n * table[1]});
+  const Dims slot_dims{n, width};
+  Value j = b.iota(TensorType{s64, slot_dims}, 1);
+  Value entry = b.binary("add", b.binary("multiply", b.iota(TensorType{s64, slot_dims}, 0),
+                                         b.constant_int(table[1], s64, slot_dims)),
+                         b.binary("divide", j, b.constant_int(page, s64, slot_dims)));
+  Value page_of = b.reshape(b.gather(pages, b.reshape(entry, {lanes}), hlo::Builder::GatherDims{{}, {0}, {}, {}, {0}, 1},
+                                     {1}, {lanes}),
+                            slot_dims);
+  Value row = b.binary("add", b.binary("multiply", page_of, b.constant_int(page, s64, slot_dims)),
+                       b.binary("remainder", j, b.constant_int(page, s64, slot_dims)));
+  auto read = [&](Value pool) {
+    const Dims pd = pool.dims();
+    Value flat = b.reshape(pool, {pd[0] * pd[1], pd[2], pd[3]});
+    Value rows = b.gather(flat, b.reshape(row, {lanes}), hlo::Builder::GatherDims{{1, 2}, {0}, {}, {}, {0}, 1},
+                          {1, pd[2], pd[3]}, {lanes, pd[2], pd[3]});
+    return b.reshape(rows, {1, lanes, pd[2], pd[3]});
+  };
+  k = read(k);
+  v = read(v);
+  Value lane = b.iota(TensorType{s64, {1, lanes}}, 1);
+  Lanes kl;
+  kl.seq = b.binary("divide", lane, b.constant_int(width, s64, {1, lanes}));
+  kl.pos = b.binary("remainder", lane, b.constant_int(width, s64, {1, lanes}));
+  kl.valid = b.compare(kl.pos, at_seq(b, b.reshape(kl.seq, {lanes}), used), Compare::LT);
+  return kl;
+}
 
 Problem problem(Context& c, bool paged_allowed) {
   Builder& b = c.b;
@@ -97,43 +140,8 @@ Problem problem(Context& c, bool paged_allowed) {
     const int64_t n = cu_q.dims()[0] - 1;
     std::optional<Value> used;
     if (c.has("seqused_k")) used = as_s64(b, c.tensor("seqused_k"));
-    Value key_length;  // [1, Tq]: the key count of each query's sequence
     if (paged) {
-      // Keys of sequence s are pages block_table[s, :] laid end to end: read them into
-      // [N * L] lanes (L = pages per sequence * page size) and mask past seqused_k.
-      const Dims kd = k.dims();  // [P, page, Hkv, D]
-      const Dims table = c.tensor_dims("block_table");
-      const int64_t page = kd[1], width = table[1] * page, lanes = n * width;
-      // Slot j of sequence s is on page block_table[s, j / page], at row j % page.
-      Value pages = b.reshape(as_s64(b, c.tensor("block_table")), {n * table[1]});
-      const Dims slot_dims{n, width};
-      Value j = b.iota(TensorType{s64, slot_dims}, 1);
-      Value entry = b.binary("add", b.binary("multiply", b.iota(TensorType{s64, slot_dims}, 0),
-                                             b.constant_int(table[1], s64, slot_dims)),
-                             b.binary("divide", j, b.constant_int(page, s64, slot_dims)));
-      Value page_of = b.reshape(b.gather(pages, b.reshape(entry, {lanes}), hlo::Builder::GatherDims{{}, {0}, {}, {}, {0}, 1},
-                                         {1}, {lanes}),
-                                slot_dims);
-      Value row = b.binary("add", b.binary("multiply", page_of, b.constant_int(page, s64, slot_dims)),
-                           b.binary("remainder", j, b.constant_int(page, s64, slot_dims)));
-      auto read = [&](Value pool) {
-        const Dims pd = pool.dims();
-        Value flat = b.reshape(pool, {pd[0] * pd[1], pd[2], pd[3]});
-        Value rows = b.gather(flat, b.reshape(row, {lanes}), hlo::Builder::GatherDims{{1, 2}, {0}, {}, {}, {0}, 1},
-                              {1, pd[2], pd[3]}, {lanes, pd[2], pd[3]});
-        return b.reshape(rows, {1, lanes, pd[2], pd[3]});
-      };
-      k = read(k);
-      v = read(v);
-      Value lane = b.iota(TensorType{s64, {1, lanes}}, 1);
-      kl.seq = b.binary("divide", lane, b.constant_int(width, s64, {1, lanes}));
-      kl.pos = b.binary("remainder", lane, b.constant_int(width, s64, {1, lanes}));
-      const Dims grid{lanes, n};
-      Value mine = b.compare(b.broadcast_in_dim(b.reshape(kl.seq, {lanes}), grid, {0}), b.iota(TensorType{s64, grid}, 1),
-                             Compare::EQ);
-      Value used_here = b.reduce(b.select(mine, b.broadcast_in_dim(*used, grid, {1}), b.constant_int(0, s64, grid)),
-                                 b.constant_int(0, s64), {1}, Reducer::Add);
-      kl.valid = b.compare(kl.pos, b.reshape(used_here, {1, lanes}), Compare::LT);
+      kl = read_paged(c, k, v, n, *used);
     } else {
       const Dims kd = k.dims();  // [Tk, Hkv, D]
       if (!c.has("cum_seq_k")) throw Unsupported("flash attention: packed keys without cum_seq_k");
@@ -154,8 +162,7 @@ Problem problem(Context& c, bool paged_allowed) {
     }
     PackedLanes qp = packed_lanes(b, cu_q, qd[0], per_seq_keys);
     ql = qp.lanes;
-    key_length = *qp.gathered;
-    offset = b.binary("subtract", key_length, qp.length);
+    offset = b.binary("subtract", *qp.gathered, qp.length);  // each query's sequence's key count - its query count
   } else {
     const Dims kd = k.dims();
     const Dims qdims{qd[0], qd[1]}, kdims{kd[0], kd[1]};
