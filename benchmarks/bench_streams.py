@@ -4,14 +4,19 @@
    the programs computing x still run; a blocking `.cpu()` returns after them. Also the total time to the value
    (launch, then synchronize) for both, and the same with pageable memory (always a synchronous read).
 2. host -> device from pinned memory, non_blocking vs blocking.
+3. device -> device (tpu:0 -> tpu:1, two CPU-plugin devices): the plugin's copy vs a round trip through the
+   host, time and bytes each way (torch_pjrt.metrics()).
 
     PYTHONPATH=python python benchmarks/bench_streams.py
 """
+import os
 import time
+
+os.environ.setdefault("TORCH_PJRT_CPU_DEVICES", "2")  # before the runtime starts: section 3 needs two devices
 
 import torch
 
-import torch_pjrt  # noqa: F401
+import torch_pjrt
 
 
 def slow_result(n=768, rounds=16):
@@ -58,6 +63,25 @@ def main():
     print(f"{'upload of 64 MiB':44s} {'returns (ms)':>13s} {'value (ms)':>11s}")
     for name, (ret, done) in up.items():
         print(f"{name:44s} {ret * 1e3:13.2f} {done * 1e3:11.2f}")
+
+    if torch.tpu.device_count() < 2:
+        return
+    on0 = big.to("tpu:0")
+    keys = ("device_to_device_bytes", "device_to_host_bytes", "host_to_device_bytes")
+    moves = {}
+    for name, fn in (("D2D tpu:0 -> tpu:1, plugin copy", lambda: on0.to("tpu:1")),
+                     ("D2D tpu:0 -> tpu:1, through the host", lambda: on0.cpu().to("tpu:1"))):
+        before = torch_pjrt.metrics()
+        fn()
+        torch.tpu.synchronize()
+        after = torch_pjrt.metrics()
+        moves[name] = (timed(fn), {k: after[k] - before[k] for k in keys})
+    print(f"{'copy of 64 MiB between devices':44s} {'returns (ms)':>13s} {'value (ms)':>11s}  bytes moved (MiB)")
+    for name, ((ret, done), moved) in moves.items():
+        where = ", ".join(f"{k.replace('_bytes', '')} {v / 2**20:.0f}" for k, v in moved.items() if v)
+        print(f"{name:44s} {ret * 1e3:13.2f} {done * 1e3:11.2f}  {where}")
+    plugin, host = (moves[n][0][1] for n in moves)
+    print(f"time to the value, through the host / plugin copy: {host / plugin:.1f}x")
 
 
 if __name__ == "__main__":

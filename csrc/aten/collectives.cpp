@@ -11,6 +11,7 @@
 #include "aten/device_context.h"
 #include "aten/fused_graph.h"
 #include "aten/growth.h"
+#include "aten/host_copy.h"
 #include "aten/lowerings/collectives.h"
 #include "aten/op_call.h"
 #include "graph/metrics.h"
@@ -57,24 +58,6 @@ void check_inputs(const std::string& kind, const std::vector<at::Tensor>& inputs
   }
 }
 
-// A buffer holding exactly `t`'s elements in row-major order: the storage's
-// own buffer when t is all of it, densely, else that of a dense copy.
-pjrt::BufferPtr dense_buffer(at::Tensor t, ElementType element) {
-  auto whole = [&](const at::Tensor& x) -> pjrt::BufferPtr {
-    if (!x.is_contiguous() || x.storage_offset() != 0 || x.is_conj() || x.is_neg()) return nullptr;
-    StorageState& st = storage_state(x.storage());
-    check_has_value(st);
-    pjrt::BufferPtr b = readable_buffer(st);  // after a recorded graph that writes it
-    if (!b || b->element_type() != element || b->element_count() != x.numel()) return nullptr;
-    return b;
-  };
-  if (auto b = whole(t)) return b;
-  ExactShapes exact;  // not a capacity storage's larger buffer (a mask grown by cats, an arange)
-  at::Tensor dense = t.resolve_conj().resolve_neg().clone(at::MemoryFormat::Contiguous);
-  auto b = whole(dense);
-  TORCH_CHECK(b, "internal: a dense copy of a ", t.sizes(), " tensor has no matching buffer");
-  return b;
-}
 
 // The CPU plugin launches each device's part of a multi-device program from
 // its thread pool, so two programs in flight at once may start in different

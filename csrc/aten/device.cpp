@@ -3,6 +3,7 @@
 #include "aten/runtime_checks.h"
 #include "aten/device_context.h"
 #include "aten/exit_gate.h"
+#include "aten/streams.h"
 #include "aten/fused_graph.h"
 #include "graph/settings.h"
 #include "aten/lowering.h"
@@ -288,11 +289,15 @@ struct TpuEvent {
   std::vector<std::shared_ptr<Work>> work;
   std::shared_ptr<GraphRun> graph_run;  // the pending graph's run, until resolved
 
-  void record(int index, bool with_timing) {
+  // Recorded on stream `stream`: the stream's work in flight, and the pending graph if it holds the stream's ops.
+  void record(int index, bool with_timing, int64_t stream) {
     if (with_timing) flush_pending(index);
     device = index;
     timing = with_timing;
-    graph_run = pending_graph_run(index, work);
+    uint64_t bit = stream_bit(stream);
+    graph_run = pending_graph_run(index, bit, work);
+    work.erase(std::remove_if(work.begin(), work.end(), [bit](const auto& w) { return !(w->streams & bit); }),
+               work.end());
     recorded_ns = now_ns();
   }
   // Runs the graph the event was recorded in (if it has not run) and adds its program to `work`.
@@ -338,7 +343,7 @@ struct TpuEvent {
   }
 };
 
-// ---- Device guard: one stream per device; PJRT orders work.
+// ---- Device guard: devices, streams (streams.h) and events.
 struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kTpu; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -349,10 +354,23 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::Device getDevice() const override { return c10::Device(kTpu, static_cast<c10::DeviceIndex>(current_device())); }
   void setDevice(c10::Device d) const override { set_current_device(d.index() < 0 ? 0 : d.index()); }
   void uncheckedSetDevice(c10::Device d) const noexcept override { g_current_device = d.index() < 0 ? 0 : d.index(); }
-  c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
-  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
-  c10::Stream getNewStream(c10::Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
-  c10::Stream exchangeStream(c10::Stream s) const override { return s; }
+  static c10::Device on(c10::Device d) {
+    return d.index() < 0 ? c10::Device(kTpu, static_cast<c10::DeviceIndex>(current_device())) : d;
+  }
+  static c10::Stream stream_of(c10::Device d, int64_t id) { return c10::Stream(c10::Stream::UNSAFE, on(d), id); }
+  c10::Stream getStream(c10::Device d) const override { return stream_of(d, current_stream(on(d).index())); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return stream_of(d, kDefaultStream); }
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return stream_of(d, pool_stream(on(d).index(), priority));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
+    return stream_of(d, pool_stream(on(d).index(), high_priority ? kHighestPriority : 0));
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    c10::Stream old = getStream(s.device());
+    set_current_stream(on(s.device()).index(), s.id());
+    return old;
+  }
   c10::DeviceIndex deviceCount() const noexcept override {
     try {
       return static_cast<c10::DeviceIndex>(device_count());
@@ -360,18 +378,17 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
       return 0;
     }
   }
-  // Events and streams: one stream per device (PJRT orders work by its data
-  // dependencies). An event is the device's in-flight programs when it was
-  // recorded plus the pending fused graph's run, which it does not cut (see TpuEvent).
+  // An event is its stream's work in flight when it was recorded plus the
+  // pending fused graph's run, which it does not cut (see TpuEvent).
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device,
               const c10::EventFlag flag) const override {
     int index = device < 0 ? (stream.device_index() < 0 ? current_device() : stream.device_index()) : device;
     if (!*event) *event = new TpuEvent();
-    static_cast<TpuEvent*>(*event)->record(index, flag == c10::EventFlag::BACKEND_DEFAULT);
+    static_cast<TpuEvent*>(*event)->record(index, flag == c10::EventFlag::BACKEND_DEFAULT, stream.id());
   }
   void block(void* event, const c10::Stream& stream) const override {
-    // Same device: its work is ordered by data already. Another device: its
-    // data reaches this one through the host, but wait so the order holds.
+    // Same device: its work is ordered by data already (streams.h). Another
+    // device: wait for the event, so that the order holds.
     auto* e = static_cast<TpuEvent*>(event);
     if (e && e->device != stream.device_index()) e->synchronize();
   }
@@ -386,20 +403,22 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { delete static_cast<TpuEvent*>(event); }
   bool queryStream(const c10::Stream& stream) const override {
     int index = stream.device_index() < 0 ? current_device() : stream.device_index();
+    uint64_t bit = stream_bit(stream.id());
     flush_pending(index);
     for (const auto& work : device_context(index).in_flight_work())
-      if (!work->done->is_ready()) return false;
+      if ((work->streams & bit) && !work->done->is_ready()) return false;
     return true;
   }
+  // Waits for the whole device (every stream): the failures it raises are reported once, as synchronize() does.
   void synchronizeStream(const c10::Stream& stream) const override {
     synchronize(stream.device_index() < 0 ? current_device() : stream.device_index());
   }
   void synchronizeDevice(const c10::DeviceIndex device) const override {
     synchronize(device < 0 ? current_device() : device);
   }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
-  }
+  // A storage's buffer outlives the work that reads it without this: PJRT frees a destroyed buffer's memory
+  // only after the programs and copies using it are done.
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuard);
 
@@ -777,7 +796,8 @@ std::vector<DeviceContext*> started_device_contexts() {
   return contexts();
 }
 
-std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
+std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program,
+                                               uint64_t streams) {
   if (!done) return nullptr;
   if (mode() == Mode::Debug) {
     done->wait();
@@ -786,6 +806,7 @@ std::shared_ptr<Work> DeviceContext::track_work(std::unique_ptr<pjrt::Event> don
   auto work = std::make_shared<Work>();
   work->done = std::move(done);
   work->program = std::move(program);
+  work->streams = streams ? streams : stream_bit(current_stream(index));
   // The callback touches only the stamp: it may run on a plugin thread.
   work->done->on_ready([finished = work->finished_ns] { finished->store(now_ns()); });
   std::lock_guard<std::mutex> lock(work_mutex_);

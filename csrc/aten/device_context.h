@@ -36,6 +36,8 @@ struct Work {
   std::shared_ptr<std::atomic<int64_t>> finished_ns = std::make_shared<std::atomic<int64_t>>(0);
   // What must outlive the work besides its program (a non_blocking read's host tensor and buffer).
   std::shared_ptr<const void> holds;
+  // The streams whose work this is (streams.h: a bit per stream id).
+  uint64_t streams = 1;
 };
 
 // The run of a pending fused graph that an Event was recorded inside of
@@ -71,11 +73,14 @@ class DeviceContext {
 
   // ---- work in flight: programs enqueued and not yet seen done
   // Keeps a program's completion event (and its executable) until it is done.
+  // It is the calling thread's current stream's work.
   void track(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program) {
     track_work(std::move(done), std::move(program));
   }
-  // track() that returns the work (null in debug mode or without an event: it is done).
-  std::shared_ptr<Work> track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program);
+  // track() that returns the work (null in debug mode or without an event: it is done). `streams`:
+  // the streams whose ops it carries (a stream mask, streams.h); 0: the current stream.
+  std::shared_ptr<Work> track_work(std::unique_ptr<pjrt::Event> done, pjrt::ExecutablePtr program,
+                                   uint64_t streams = 0);
   // The work in flight now (an Event's snapshot).
   std::vector<std::shared_ptr<Work>> in_flight_work();
   // Empties the in-flight list and returns it (synchronize waits on it).
@@ -106,6 +111,8 @@ class DeviceContext {
   std::shared_ptr<PendingGraph> graph;
   std::mutex graph_cache_mutex;
   std::unordered_map<std::string, std::shared_ptr<CompiledGraph>> graph_cache;
+  // Round-robin positions in the normal and high-priority stream pools (streams.cpp).
+  std::atomic<uint32_t> next_pool_stream[2] = {0, 0};
   // The default generator (torch.tpu.manual_seed(seed) for this device).
   at::Generator generator;
   // Runtime check statuses not yet read (runtime_checks.cpp).

@@ -34,6 +34,7 @@
 #include "aten/host_restores.h"
 #include "aten/op_call.h"
 #include "aten/profiling.h"
+#include "aten/streams.h"
 #include "graph/metrics.h"
 #include "graph/settings.h"
 #include "graph/source_location.h"
@@ -200,6 +201,11 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   graph::SourceLocation location = graph::capture_source_location();
   PendingGraph& g = pending_graph(call.device);  // each device records its own graph
   GraphLock lock(g);
+  // An op on another stream than the graph's ops cuts the graph (fused mode): a copy or collective issued on a
+  // side stream is then its own program, which starts when its inputs are ready instead of inside the compute
+  // graph around it. Lazy mode cuts only where the user reads or marks a step.
+  const uint64_t stream = stream_bit(current_stream(call.device));
+  if (mode() == Mode::Fused && !g.capturing && g.streams && !(g.streams & stream)) run_graph(g);
   {
     std::lock_guard<std::mutex> storages(storage_mutex());
     if (!storages_as_keyed(call)) return false;  // another thread wrote a storage first: plan again
@@ -216,6 +222,7 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
   for (const at::Tensor& t : outs)
     if (t.defined()) element_or_throw(t.scalar_type());  // mark_written's
   g.device = call.device;
+  g.streams |= stream;
   // Operands in the order the op's lowering asks for them (see emit()).
   std::string operand_key;
   std::vector<int> operand_ids = add_operands(g, call, *cached, resolved, operand_key);
@@ -533,6 +540,7 @@ void reset_recording(PendingGraph& g) {
   g.inputs.inputs.clear();
   g.key.clear();
   g.has_checks = false;
+  g.streams = 0;
   g.device = -1;
 }
 
@@ -752,6 +760,7 @@ void run_graph(PendingGraph& g) {
   std::unique_ptr<pjrt::Event> done;
   pjrt::ExecutablePtr exe;
   const int device = g.device;  // clear_graph resets it
+  const uint64_t streams = g.streams;
   uint64_t program = current_program(device) + 1;  // its number once launched
   try {
     std::shared_ptr<CompiledGraph> compiled;
@@ -812,7 +821,7 @@ void run_graph(PendingGraph& g) {
   }
   std::shared_ptr<Work> work;
   try {
-    work = device_context(device).track_work(std::move(done), std::move(exe));
+    work = device_context(device).track_work(std::move(done), std::move(exe), streams);
   } catch (...) {
     finish_run(g, nullptr, "");  // this graph ran; the error is an earlier program's
     throw;
@@ -835,12 +844,13 @@ void flush_pending(int device) {
   run_graph(g);
 }
 
-std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight) {
+std::shared_ptr<GraphRun> pending_graph_run(int device, uint64_t streams,
+                                            std::vector<std::shared_ptr<Work>>& in_flight) {
   check_not_forked();
   PendingGraph& g = pending_graph(device);
   GraphLock lock(g);
   in_flight = device_context(device).in_flight_work();
-  if (g.ops.empty()) return nullptr;
+  if (g.ops.empty() || !(g.streams & streams)) return nullptr;
   if (!g.run) g.run = std::make_shared<GraphRun>();
   return g.run;
 }

@@ -31,9 +31,9 @@ bool record(Call& call, const std::shared_ptr<CachedOp>& cached, torch::jit::Sta
 void flush_pending();
 void flush_pending(int device);
 // Event.record without cutting the graph: takes the device's in-flight work
-// and, if ops are pending, the run of its pending graph that will cover them
-// (null if none), both under the graph's lock.
-std::shared_ptr<GraphRun> pending_graph_run(int device, std::vector<std::shared_ptr<Work>>& in_flight);
+// and, if ops of `streams` (a stream mask) are pending, the run of its pending
+// graph that will cover them (null if none), both under the graph's lock.
+std::shared_ptr<GraphRun> pending_graph_run(int device, uint64_t streams, std::vector<std::shared_ptr<Work>>& in_flight);
 // Runs the device's pending graph if `run` is still its pending run; after it,
 // run.ran is true.
 void flush_through(int device, const GraphRun& run);

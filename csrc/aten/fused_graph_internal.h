@@ -61,6 +61,7 @@ struct PendingGraph {
   GraphValues inputs;              // record-time types of storages read before written
   std::string key;
   bool has_checks = false;  // an op declared runtime checks
+  uint64_t streams = 0;     // the streams its ops were recorded on (streams.h)
   std::shared_ptr<GraphRun> run;   // events recorded inside this graph (null: none)
   // torch.accelerator.Graph capture ("graph capture" below): the ops recorded
   // are kept for replay and never run here; why the capture failed, if it did.

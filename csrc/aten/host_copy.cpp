@@ -13,6 +13,7 @@
 #include "aten/device_context.h"
 #include "aten/executor.h"
 #include "aten/fused_graph.h"
+#include "aten/growth.h"
 #include "aten/op_call.h"
 #include "aten/runtime_checks.h"
 #include "graph/metrics.h"
@@ -164,6 +165,38 @@ at::Tensor read_to_host(const at::Tensor& t, const at::Tensor& into) {
 
 at::Tensor to_host(const at::Tensor& t) { return read_to_host(t, at::Tensor()); }
 
+pjrt::BufferPtr dense_buffer(at::Tensor t, ElementType element) {
+  auto whole = [&](const at::Tensor& x) -> pjrt::BufferPtr {
+    if (!x.is_contiguous() || x.storage_offset() != 0 || x.is_conj() || x.is_neg()) return nullptr;
+    StorageState& st = storage_state(x.storage());
+    check_has_value(st);
+    pjrt::BufferPtr b = readable_buffer(st);  // after a recorded graph that writes it
+    if (!b || b->element_type() != element || b->element_count() != x.numel()) return nullptr;
+    return b;
+  };
+  if (auto b = whole(t)) return b;
+  ExactShapes exact;  // not a capacity storage's larger buffer (a mask grown by cats, an arange)
+  at::Tensor dense = t.resolve_conj().resolve_neg().clone(at::MemoryFormat::Contiguous);
+  auto b = whole(dense);
+  TORCH_CHECK(b, "internal: a dense copy of a ", t.sizes(), " tensor has no matching buffer");
+  return b;
+}
+
+namespace {
+// `src`'s value on tpu:`device`, copied by the plugin from src's device (PJRT_Buffer_CopyToDevice): no host
+// round trip, and the copy is launched, not waited for (the destination buffer is ready when it lands).
+pjrt::BufferPtr copied_to_device(const at::Tensor& src, int device) {
+  pjrt::BufferPtr from = dense_buffer(src, element_or_throw(src.scalar_type()));
+  try {
+    pjrt::BufferPtr to = from->copy_to_device(client().device(static_cast<size_t>(device)));
+    metrics().device_to_device_bytes += static_cast<int64_t>(to->byte_count());
+    return to;
+  } catch (const pjrt::Error& e) {
+    raise_device_error(c10::str("copying a tpu:", src.device().index(), " tensor to tpu:", device, " failed: ", e.what()));
+  }
+}
+}  // namespace
+
 void copy_into(const at::Tensor& dst, const at::Tensor& src) {
   check_not_forked();
   if (dst.device().type() != kTpu) {
@@ -172,11 +205,19 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src) {
     return;
   }
   at::Tensor source = src;
-  if (src.device().type() == kTpu && src.device() != dst.device()) source = to_host(src);
   if (source.device().is_cpu()) source = source.resolve_conj().resolve_neg();  // host operands are raw bytes
   StorageState& st = storage_state(dst.storage());
   bool whole = dst.is_contiguous() && dst.storage_offset() == 0 && !dst.is_conj() && !dst.is_neg() &&
                static_cast<size_t>(dst.numel()) * dst.element_size() == st.nbytes;
+  if (src.device().type() == kTpu && src.device() != dst.device() && src.numel() > 0) {
+    int device = dst.device().index();
+    if (whole && src.scalar_type() == dst.scalar_type() && src.sizes().equals(dst.sizes())) {
+      install_after_graph(st, copied_to_device(src, device));  // `.to("tpu:1")`: the copy is the storage
+      return;
+    }
+    source = new_device_tensor(src.sizes(), std::nullopt, src.scalar_type(), device);  // then cast, broadcast
+    install_buffer(storage_state(source.storage()), copied_to_device(src, device));
+  }
   if (whole && source.device().is_cpu() && source.sizes().equals(dst.sizes()) && dst.numel() > 0) {
     // The common `.to("tpu")`: upload straight into the storage. A recorded
     // graph that writes this storage runs first, so its result cannot land later.

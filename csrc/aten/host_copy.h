@@ -14,6 +14,9 @@ struct OperandRef;  // op_call.h
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
 // A dense CPU copy of a tpu tensor (waits for the device).
 at::Tensor to_host(const at::Tensor& tensor);
+// A buffer holding exactly `t`'s elements in row-major order: the storage's own buffer when t is all of it,
+// densely, else that of a dense copy (a program).
+pjrt::BufferPtr dense_buffer(at::Tensor t, ElementType element);
 // The buffer of operand `ref` of a call. Storage operands: the caller holds storage_mutex().
 pjrt::BufferPtr operand_buffer(const Call& call, const OperandRef& ref);
 

@@ -24,6 +24,7 @@
 #include "aten/growth.h"
 #include "aten/host_copy.h"
 #include "aten/exit_gate.h"
+#include "aten/streams.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
 #include "graph/metrics.h"
@@ -234,8 +235,17 @@ at::Tensor view_as_complex(const at::Tensor& self) {
   return out;
 }
 
+// tensor.record_stream(s): the storage's memory outlives the stream's work already (streams.h: PJRT frees a
+// destroyed buffer's memory only once the work using it is done); checks that `s` is a tpu stream of a device.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kTpu, "record_stream: expected a tpu stream for a tpu tensor, got a ",
+              stream.device_type(), " stream");
+  stream_bit(stream.id());  // checks the id
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("record_stream", record_stream);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", at::native::as_strided_tensorimpl);

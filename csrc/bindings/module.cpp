@@ -20,6 +20,7 @@
 #include "aten/host_restores.h"
 #include "aten/lowering.h"
 #include "aten/op_call.h"
+#include "aten/streams.h"
 #include "bindings/dist_backend.h"
 #include "bindings/interpreter_exit.h"
 #include "bindings/python_location.h"
@@ -236,6 +237,10 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_memory_info", [](int device) { return memory_info(device); });  // (free, total) bytes
   m.def("_check_device_index", &check_device_index);
+  m.def("_stream_priority", [](int64_t id) {
+    stream_bit(id);  // checks it
+    return stream_priority(id);
+  });
   m.def("_device_kind", [](int device) {
     check_device_index(device);
     return client().device_kind(static_cast<size_t>(device));
@@ -417,6 +422,7 @@ PYBIND11_MODULE(_C, m) {
     d["collectives_in_xla"] = s.collectives_in_xla.get();
     d["collective_bytes"] = s.collective_bytes.get();
     d["device_to_host_bytes"] = s.device_to_host_bytes.get();
+    d["device_to_device_bytes"] = s.device_to_device_bytes.get();
     d["cpu_fallbacks"] = s.cpu_fallbacks;
     d["lowered_ops"] = s.lowered_ops;
     d["recompile_reasons"] = s.recompile_reasons;

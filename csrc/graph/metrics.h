@@ -69,6 +69,7 @@ struct Metrics {
   Count collectives_in_xla;  // collectives run as one multi-device XLA program (aten/collectives.cpp)
   Count collective_bytes;    // their input bytes, summed over the participating devices
   Count device_to_host_bytes;
+  Count device_to_device_bytes;  // copies between tpu devices, made by the plugin (no host round trip)
   // Guarded by metrics_mutex(): update through the functions below.
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
   std::map<std::string, std::vector<uint32_t>> cpu_fallback_lines;  // op name -> distinct user lines (SourceLocation)

@@ -113,6 +113,14 @@ std::unique_ptr<Event> Buffer::to_host_async(void* dst) const {
   return std::make_unique<Event>(plugin_, args.event);
 }
 
+std::shared_ptr<Buffer> Buffer::copy_to_device(PJRT_Device* device) const {
+  auto args = PJRT_ARGS(PJRT_Buffer_CopyToDevice_Args);
+  args.buffer = buffer_;
+  args.dst_device = device;
+  plugin_->check(plugin_->api()->PJRT_Buffer_CopyToDevice(&args), "PJRT_Buffer_CopyToDevice");
+  return std::make_shared<Buffer>(plugin_, args.dst_buffer, type_, dims_);
+}
+
 void Buffer::wait_ready() const {
   auto args = PJRT_ARGS(PJRT_Buffer_ReadyEvent_Args);
   args.buffer = buffer_;

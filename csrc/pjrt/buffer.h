@@ -29,6 +29,9 @@ class Buffer {
   void to_host(void* dst) const;
   // The same copy, launched: `dst` and this buffer must live until the event fires.
   std::unique_ptr<Event> to_host_async(void* dst) const;
+  // A copy of this buffer on another device of the same client, made by the plugin without the host
+  // (PJRT_Buffer_CopyToDevice); launched, not waited for: the copy is ready when its ready event is.
+  std::shared_ptr<Buffer> copy_to_device(PJRT_Device* device) const;
   // Waits until the value is computed; throws if the producing program failed.
   void wait_ready() const;
   // The plugin's address for the buffer's memory (often the device address):

@@ -60,6 +60,7 @@ const std::vector<ApiFunction>& functions_we_call() {
       TORCH_PJRT_API_FUNCTION(PJRT_Buffer_Dimensions),
       TORCH_PJRT_API_FUNCTION(PJRT_Buffer_IsDeleted),
       TORCH_PJRT_API_FUNCTION(PJRT_Buffer_ToHostBuffer),
+      TORCH_PJRT_API_FUNCTION(PJRT_Buffer_CopyToDevice),
       TORCH_PJRT_API_FUNCTION(PJRT_Buffer_ReadyEvent),
       TORCH_PJRT_API_FUNCTION(PJRT_Buffer_UnsafePointer),
   };

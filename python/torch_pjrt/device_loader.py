@@ -76,9 +76,10 @@ def move_to_device(data, device: torch.device):
     return data
 
 
-def _produce(source, device: torch.device, out: queue.Queue, stop: threading.Event) -> None:
-    """The background thread: next batch, upload, queue; an error or the end is queued
-    in its place, after the batches before it. Holds no reference to the consumer."""
+def _produce(source, device: torch.device, stream, out: queue.Queue, stop: threading.Event) -> None:
+    """The background thread: next batch, upload on the loader's stream, queue it with an
+    event recorded after its uploads; an error or the end is queued in its place, after
+    the batches before it. Holds no reference to the consumer."""
     try:
         while not stop.is_set():
             try:
@@ -88,7 +89,11 @@ def _produce(source, device: torch.device, out: queue.Queue, stop: threading.Eve
                 return
             if stop.is_set():
                 return
-            out.put((_BATCH, move_to_device(batch, device)))
+            with torch.tpu.stream(stream):
+                moved = move_to_device(batch, device)
+                uploaded = stream.record_event()
+            out.put((_BATCH, (moved, uploaded)))
+            del moved
             del batch
     except BaseException as error:  # the loader's or the upload's: raised in the consumer
         if not stop.is_set():
@@ -108,7 +113,10 @@ class _DeviceLoaderIterator:
         self._finished = False
         # Made here, on the caller's thread: DataLoader workers fork before our thread exists.
         source = iter(loader)
-        self._thread = threading.Thread(target=_produce, args=(source, device, self._queue, self._stop),
+        self._device = device
+        self._stream = torch.tpu.Stream(device)  # the uploads' side stream, as CUDA prefetchers use
+        self._thread = threading.Thread(target=_produce,
+                                        args=(source, device, self._stream, self._queue, self._stop),
                                         name="torch_pjrt.DeviceLoader", daemon=True)
         del source
         self._thread.start()
@@ -121,7 +129,9 @@ class _DeviceLoaderIterator:
             raise StopIteration
         kind, value = self._queue.get()
         if kind == _BATCH:
-            return value
+            batch, uploaded = value
+            torch.tpu.current_stream(self._device).wait_event(uploaded)  # the caller's stream after the uploads
+            return batch
         self._finished = True
         self._thread.join()
         if kind == _ERROR:
@@ -168,8 +178,9 @@ class DeviceLoader:
     Each batch's tensors, inside tuples, lists, dicts, namedtuples and dataclasses (as
     DataLoader(pin_memory=True) walks them), are moved to `device`; other values pass
     through. A background thread pins each host tensor (unless it is pinned already)
-    and uploads it with a non_blocking copy, so the next batches' copies overlap with
-    the step the caller runs. At most `prefetch` uploaded batches wait in a queue (and
+    and uploads it with a non_blocking copy on a side stream, so the next batches' copies
+    overlap with the step the caller runs; the caller's current stream waits for each
+    batch's uploads (an event) when the batch is handed over. At most `prefetch` uploaded batches wait in a queue (and
     one more may be uploaded, waiting for room).
 
     - An exception from the loader (or an upload) is raised by the iteration at the batch

@@ -1,8 +1,7 @@
 """`torch.tpu`: the device module PyTorch looks up for the renamed PrivateUse1 backend.
 
 It mirrors the parts of `torch.cuda` that training code, autocast, FSDP and
-FakeTensor call. PJRT orders work on one queue per device, so a Stream is the
-device's single queue and an Event records a point on it.
+FakeTensor call, streams and events included (docs/design/streams.md).
 """
 from __future__ import annotations
 
@@ -278,16 +277,33 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
-# ---- Streams and events: torch.Stream / torch.Event for the tpu device. The
-# device guard (device.cpp) backs them with PJRT completion events. One stream
-# per device: PJRT orders a device's programs by their data, so every Stream
-# object of a device is that device's single stream.
+# ---- Streams and events: torch.Stream / torch.Event for the tpu device, backed
+# by the device guard (device.cpp, streams.h). A stream names a sequence of work:
+# each program or copy is tagged with the streams whose ops it carries, so
+# query/synchronize/events see that stream's work. PJRT orders a device's work
+# by its data, which is why wait_stream/wait_event on one device cost nothing.
 class Stream(torch.Stream):
+    """A tpu stream. `Stream()` takes the next stream of the device's pool (normal or, with priority < 0,
+    high priority), as torch.cuda.Stream does; current_stream() and default_stream() name existing ones."""
+
     def __new__(cls, device=None, priority: int = 0, **kwargs):
+        if "stream_id" in kwargs:  # wrapping an existing stream (current_stream, default_stream)
+            index = _index(device)
+            device_type = torch.accelerator.current_stream(index).device_type  # PrivateUse1's number
+            return super().__new__(cls, stream_id=kwargs["stream_id"], device_index=index, device_type=device_type)
         return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
 
     def __init__(self, device=None, priority: int = 0, **kwargs):
         pass
+
+    @property
+    def priority(self) -> int:
+        return _C._stream_priority(self.stream_id)
+
+    @staticmethod
+    def priority_range() -> tuple:
+        """(lowest, highest) priority, as torch.cuda.Stream.priority_range()."""
+        return (0, -1)
 
     def wait_stream(self, stream) -> None:
         self.wait_event(stream.record_event())
@@ -299,6 +315,13 @@ class Stream(torch.Stream):
         event = event or Event()
         event.record(self)
         return event
+
+    def __repr__(self) -> str:
+        return f"<torch.tpu.Stream device=tpu:{self.device_index} stream_id={self.stream_id} priority={self.priority}>"
+
+
+def _wrap(s: torch.Stream) -> Stream:
+    return Stream(s.device_index, stream_id=s.stream_id)
 
 
 class Event:
@@ -330,13 +353,34 @@ class Event:
 
 
 def current_stream(device=None) -> Stream:
-    return Stream(device)
+    """This thread's current stream on `device` (the default stream unless one was set)."""
+    _lazy_init()
+    return _wrap(torch.accelerator.current_stream(_index(device)))
 
 
 def default_stream(device=None) -> Stream:
-    return Stream(device)
+    return Stream(device, stream_id=0)
+
+
+def set_stream(stream) -> None:
+    """Makes `stream` this thread's current stream on its device (None: no change, as torch.cuda.set_stream)."""
+    if stream is None:
+        return
+    if getattr(getattr(stream, "device", None), "type", None) != "tpu":
+        raise ValueError(f"expected a tpu stream, got {stream!r}")
+    _C._check_device_index(_index(stream.device))
+    torch.accelerator.set_stream(stream)
 
 
 @contextlib.contextmanager
 def stream(stream):
-    yield
+    """Work issued inside runs on `stream` (None: the current stream, as torch.cuda.stream)."""
+    if stream is None:
+        yield
+        return
+    before = current_stream(stream.device_index)
+    set_stream(stream)
+    try:
+        yield
+    finally:
+        set_stream(before)

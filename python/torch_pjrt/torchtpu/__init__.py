@@ -4,7 +4,7 @@ TorchTPU and torch_pjrt both name their device `tpu` and their device module `to
 the TorchTPU 0.2.0 names that torch_pjrt can honour:
 
 - on `torch.tpu`: `EagerMode`, `eager_mode` (a settable attribute), `set_eager_mode`, `Precision`,
-  `precision`, `device_of`, `set_stream`, `topology_aware_mesh` (deprecated alias, as in TorchTPU);
+  `precision`, `device_of`, `topology_aware_mesh` (deprecated alias, as in TorchTPU);
 - the submodules `torch.tpu.pallas`, `torch.tpu.ops`, `torch.tpu.distributed`, `torch.tpu.profiler`,
   `torch.tpu.compiler` and `torch.tpu.optimizers`, importable as `import torch.tpu.pallas`.
 

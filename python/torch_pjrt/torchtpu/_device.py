@@ -1,4 +1,4 @@
-"""TorchTPU's names on torch.tpu itself: eager modes, matmul precision, device_of, set_stream.
+"""TorchTPU's names on torch.tpu itself: eager modes, matmul precision, device_of.
 
 TorchTPU's three eager modes are torch_pjrt's modes under other names (TorchTPU's announcement calls them
 Debug, Strict and Fused Eager):
@@ -98,16 +98,6 @@ def device_of(obj):
         yield
 
 
-def set_stream(stream) -> None:
-    """Makes `stream` current. Each tpu device has one queue (PJRT orders a device's programs by their data),
-    so every tpu Stream of a device is already its current stream; anything but a tpu stream is refused."""
-    if getattr(getattr(stream, "device", None), "type", None) != "tpu":
-        raise ValueError(f"expected a tpu stream, got {stream!r}")
-    from .. import _C
-
-    _C._check_device_index(_device_module()._index(stream.device))
-
-
 _warned_topology_alias = False
 
 
@@ -153,6 +143,6 @@ def install(module: types.ModuleType) -> None:
     if not isinstance(module, _TpuModule):
         module.__class__ = _TpuModule
     for name, value in (("EagerMode", EagerMode), ("set_eager_mode", set_eager_mode), ("Precision", Precision),
-                        ("precision", precision), ("device_of", device_of), ("set_stream", set_stream),
+                        ("precision", precision), ("device_of", device_of),
                         ("topology_aware_mesh", topology_aware_mesh)):
         setattr(module, name, value)

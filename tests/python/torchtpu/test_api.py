@@ -187,8 +187,11 @@ def test_set_stream_takes_tpu_streams_only():
     torch.tpu.set_stream(stream)
     assert torch.tpu.current_stream() == stream == torch.tpu.default_stream()
     x = torch.randn(3)
-    with torch.tpu.stream(torch.tpu.Stream()):  # the device's one queue
+    side = torch.tpu.Stream()
+    with torch.tpu.stream(side):
+        assert torch.tpu.current_stream() == side != torch.tpu.default_stream()
         y = (x.to(DEVICE) * 2).cpu()
+    assert torch.tpu.current_stream() == stream
     torch.testing.assert_close(y, x * 2)
     with pytest.raises(ValueError, match="expected a tpu stream"):
         torch.tpu.set_stream(torch.Stream("cpu"))
