@@ -110,11 +110,19 @@ def _fill(spec, xs):
 
 _kernels: dict = {}  # number -> _Kernel, for calls under torch.compile (Dynamo passes the number)
 _kernel_numbers = itertools.count()
+_compiled_call = None  # the call under torch.compile: made with the first kernel (importing Dynamo takes seconds)
 
 
-@torch._dynamo.nonstrict_trace
-def _compiled_call(number, args, kwargs):
+def _call_kernel(number, args, kwargs):
     return _kernels[number]._call(args, kwargs)
+
+
+def _make_compiled_call() -> None:
+    global _compiled_call
+    if _compiled_call is None:
+        import torch._dynamo
+
+        _compiled_call = torch._dynamo.nonstrict_trace(_call_kernel)
 
 
 class _Kernel:
@@ -149,6 +157,7 @@ class _Kernel:
         self._lock = threading.Lock()
         self._id = next(_kernel_numbers)
         _kernels[self._id] = self
+        _make_compiled_call()
         self._ops = {}  # template key -> (torch_pjrt JaxFunction, argument specs)
         self._trees = {}  # (template key, tensor types) -> result tree structure
         self._plain_name_taken = False
