@@ -22,6 +22,9 @@ deps:
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
 	$(PY) -m pip install -q jax==0.10.2
+	# Helion (tests/python/helion, python/torch_pjrt/helion): its kernels run on tpu through their Pallas JAX view.
+	# Pure Python; requires no torch, Triton or jax (it brings scikit-learn, filecheck, rich, psutil).
+	$(PY) -m pip install -q torch==2.13.0 helion==1.5.1
 	command -v ninja >/dev/null || $(PY) -m pip install -q ninja
 	command -v cmake >/dev/null || $(PY) -m pip install -q cmake
 	test -f /usr/include/gtest/gtest.h && command -v ccache >/dev/null || \

@@ -106,6 +106,8 @@ from .serving import hf_batching
 hf_batching.install()  # transformers' continuous batching sizes its cache from tpu memory
 from . import torchtpu
 torchtpu.install()  # TorchTPU's torch.tpu names (eager_mode, torch.tpu.pallas, torch.tpu.ops, ...): docs/torchtpu-compat.md
+from . import helion as _helion
+_helion.install()  # Helion kernels on tpu tensors run their Pallas JAX view inside the program
 
 
 def _print_from_host() -> None:

@@ -7,8 +7,12 @@ is lowered to StableHLO and inlined into the tpu program; on CPU tensors it runs
   constant, as TorchTPU infers from the annotations: each distinct set of constants is its own torch op,
   `ns::name` for calls with tensors only, `ns::name__<hash>` otherwise (registered at the first such call);
 - the result keeps the function's structure (a tensor, a tuple, a list, a dict of tensors);
-- `donate_argnums` is accepted and checked, but nothing is donated: the donated tensors keep their values
-  (TorchTPU leaves them invalid, so code written for it never reads them again);
+- `donate_argnums`: a donated tensor's storage is reused for a result of its shape and dtype (the first one
+  not yet taken): the result is written into it in the same program, whose buffer the program donates (no
+  new buffer, no copy), and the call returns the donated tensor in that result's place. TorchTPU leaves a
+  donated tensor invalid, so code written for it never reads it again; here it holds the result;
+- under torch.compile the call is one opaque call to Dynamo (`torch._dynamo.nonstrict_trace`: Dynamo must not
+  trace JAX), which AOTAutograd traces to the torch_pjrt ops it runs;
 - `mesh`, `input_partition_specs` and `output_partition_specs` raise NotImplementedError: a jax_op runs on
   one device.
 
@@ -104,6 +108,23 @@ def _fill(spec, xs):
     return spec[1]
 
 
+_kernels: dict = {}  # number -> _Kernel, for calls under torch.compile (Dynamo passes the number)
+_kernel_numbers = itertools.count()
+_compiled_call = None  # the call under torch.compile: made with the first kernel (importing Dynamo takes seconds)
+
+
+def _call_kernel(number, args, kwargs):
+    return _kernels[number]._call(args, kwargs)
+
+
+def _make_compiled_call() -> None:
+    global _compiled_call
+    if _compiled_call is None:
+        import torch._dynamo
+
+        _compiled_call = torch._dynamo.nonstrict_trace(_call_kernel)
+
+
 class _Kernel:
     """A JAX function called with torch tensors: one torch_pjrt jax_op per set of constant arguments."""
 
@@ -134,6 +155,9 @@ class _Kernel:
                 raise ValueError(f"{op_name}: argument index {i!r} (donate_argnums / input_output_aliases) is not "
                                  f"a positional parameter of the function")
         self._lock = threading.Lock()
+        self._id = next(_kernel_numbers)
+        _kernels[self._id] = self
+        _make_compiled_call()
         self._ops = {}  # template key -> (torch_pjrt JaxFunction, argument specs)
         self._trees = {}  # (template key, tensor types) -> result tree structure
         self._plain_name_taken = False
@@ -205,22 +229,86 @@ class _Kernel:
         return tree
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # Dynamo must not trace JAX (the op's registration, its result structure): it puts this call in
+            # the graph as one opaque call, which AOTAutograd traces to the torch_pjrt op(s) it runs.
+            return _compiled_call(self._id, args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         template, positions = self._template(args, kwargs)
         if not template.tensors:
             raise ValueError(f"{self.op_name}: a jax op needs at least one tensor argument")
         key = (tuple(template.key), tuple((i, name) for i, name, _ in positions))
         op = self._op(key, positions)
         tree = self._tree(key, positions, template.tensors)
-        out = op(*template.tensors)
-        leaves = [out] if isinstance(out, torch.Tensor) else list(out)
+        donated = self._donated(positions, template.tensors)
+        with _one_program(donated):
+            out = op(*template.tensors)
+            leaves = [out] if isinstance(out, torch.Tensor) else list(out)
+            _donate(donated, leaves)
         if self.input_output_aliases:
             for i, name, spec in positions:
                 if name is None and i in self.input_output_aliases and spec[0] == "t":
                     template.tensors[spec[1]].copy_(leaves[self.input_output_aliases[i]])
         return tree.unflatten(leaves)
 
+    def _donated(self, positions, tensors):
+        """The tensors of this call's donated positional arguments (each once), in argument order."""
+        if not self.donate_argnums:
+            return []
+        donated = []
+        for i, name, spec in positions:
+            if name is None and i in self.donate_argnums and spec[0] == "t":
+                t = tensors[spec[1]]
+                if not any(t is d for d in donated):
+                    donated.append(t)
+        return donated
+
     def __repr__(self) -> str:
         return f"<torch.tpu.pallas jax op {self.op_name}>"
+
+
+def _donate(donated, leaves) -> None:
+    """Writes results into the donated tensors' storage and returns those tensors in their place.
+
+    Each donated tensor takes the first result not yet taken with its shape and dtype (as JAX reuses a donated
+    buffer for an output of its type); a donated tensor no result fits keeps its value. A tensor autograd
+    records (requires_grad, grad mode on) is not donated: its old value may be needed for the gradient.
+    """
+    taken = set()
+    for t in donated:
+        if torch.is_grad_enabled() and t.requires_grad:
+            continue
+        for k, leaf in enumerate(leaves):
+            if k in taken or not isinstance(leaf, torch.Tensor) or leaf.shape != t.shape or leaf.dtype != t.dtype:
+                continue
+            if torch.is_grad_enabled() and leaf.requires_grad:
+                break
+            t.copy_(leaf)
+            leaves[k] = t
+            taken.add(k)
+            break
+
+
+def _one_program(donated):
+    """A scope in which a donating call and its copies are one program, in every mode.
+
+    In fused and lazy mode the copy joins the jax_call's graph, whose program then donates the tensor's buffer
+    to the result (a storage the graph reads and overwrites, held by nothing else). Strict and debug mode run
+    each op as its own program, so a donating call runs in compiled mode's one-program scope instead.
+    """
+    import contextlib
+
+    if not donated or not any(t.device.type == "tpu" for t in donated) or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    from .. import _C
+
+    if _C._get_mode() not in ("strict", "debug"):
+        return contextlib.nullcontext()
+    from .._compile_backend import _OneProgram
+
+    return _OneProgram()
 
 
 def jax_op(name, fn=None, /, *, donate_argnums=None, mesh=None, input_partition_specs=None,

@@ -241,18 +241,66 @@ def test_jax_op_constants_results_and_donation():
     x, y = torch.randn(4, 3), torch.randn(4, 3)
     xn, yn = x.numpy(), y.numpy()
     for device in (DEVICE, "cpu"):
-        xd, yd = x.to(device), y.to(device)
+        xd = x.to(device)
         for alpha, dtype in ((2.0, torch.float32), (-0.5, torch.bfloat16), (2.0, torch.bfloat16)):
+            yd = y.to(device, copy=True)  # donated: y (and yn, its NumPy view) must stay
             out = scale_add(xd, yd, alpha, dtype)
             assert isinstance(out, tuple) and len(out) == 2
             assert out[0].dtype == dtype and out[0].device.type == device
             np.testing.assert_allclose(out[0].float().cpu().numpy(),
                                        torch.from_numpy(xn * alpha + yn).to(dtype).float().numpy(), rtol=1e-6)
             np.testing.assert_allclose(out[1].cpu().numpy(), xn - yn, rtol=1e-6)
-        # the donated argument keeps its values (nothing is donated)
-        torch.testing.assert_close(yd.cpu(), y, atol=0, rtol=0)
+            # the donated y holds the first result of its shape and dtype, and is returned as that result
+            assert (out[0] if dtype == torch.float32 else out[1]) is yd
     # one torch op per set of constants, whichever device the tensors are on
     assert len(scale_add._ops) == 3
+
+
+@pytest.mark.modes_inside  # picks its mode(s): once per `make test`
+@pytest.mark.parametrize("how", ["strict", "fused", "lazy", "debug", "compiled"])
+def test_jax_op_donation_updates_the_tensor_in_its_own_buffer(how):
+    """A donated tensor's buffer becomes the result's: the same device address, counted as donated, in one
+    program in every mode (strict and debug too) and under torch.compile; values as on the CPU."""
+    step = torch.tpu.pallas.jax_op(f"torchtpu_test::donating_{how}", lambda p, g, lr: (p - lr * g, (g * g).sum()),
+                                   donate_argnums=(0,))
+
+    def train(p, g):
+        p, norm = step(p, g, 0.5)
+        return norm * 2
+
+    p, g = torch.randn(64, 32), torch.randn(64, 32)
+    fn = torch.compile(train, backend="tpu") if how == "compiled" else train
+    pd, gd = p.to(DEVICE), g.to(DEVICE)
+    torch_pjrt.sync()
+    address = torch_pjrt._C._storage_buffer_address(pd)
+    torch._dynamo.reset()
+    with torch_pjrt.mode("fused" if how == "compiled" else how):
+        torch_pjrt.reset_metrics()
+        norm = fn(pd, gd)
+        torch_pjrt.sync()
+        m = torch_pjrt.metrics()
+    assert m["donated_buffers"] >= 1 and m["donated_bytes"] >= p.numel() * 4
+    assert m["executions"] == (2 if how in ("strict", "debug") else 1)  # op by op: the jax op, then `* 2`
+    assert not m["cpu_fallbacks"]
+    assert torch_pjrt._C._storage_buffer_address(pd) == address  # updated in place: no new buffer, no copy
+    torch.testing.assert_close(pd.cpu(), p - 0.5 * g, **TOL)
+    torch.testing.assert_close(norm.cpu(), (g * g).sum() * 2, **TOL)
+
+
+def test_jax_op_in_torch_compile_with_constants_and_structures():
+    """Dynamo does not trace the JAX function: the call is one opaque call in the graph, traced by AOTAutograd."""
+    tree = torch.tpu.pallas.jax_op("torchtpu_test::compiled_tree",
+                                   lambda x, ws, *, power=2: {"p": x ** power, "terms": [x * w for w in ws]})
+
+    def fn(x, y):
+        a, b = scale_add(x.sin(), y.clone(), 2.0, torch.bfloat16)
+        return a.float().cos() + b + tree(x, [y, y], power=3)["terms"][1]
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    compiled = torch.compile(fn, backend="tpu", fullgraph=True)
+    for _ in range(2):
+        out = compiled(x.to(DEVICE), y.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), fn(x, y), atol=1e-2, rtol=1e-2)
 
 
 def test_jax_op_structures_keyword_constants_and_autograd():
