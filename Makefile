@@ -19,6 +19,10 @@ deps:
 	$(PY) -m pip install -q torch==2.13.0 cachetools cbor2 blake3 msgspec pyzmq pybase64 setproctitle einops \
 	  prometheus_client sentencepiece ijson python-json-logger partial-json-parser "oss-harmony>=0.0.11" openai \
 	  uvloop "llguidance>=1.7.0,<1.8.0" "fastapi>=0.133.0,<0.137.0" compressed-tensors==0.17.0 apache-tvm-ffi
+	# vLLM's OpenAI-compatible server (tests/python/serving/test_vllm_server.py): what its app imports beyond that
+	# (fastapi[standard]'s other extras, anthropic, mcp and opentelemetry's exporter are not needed for it).
+	$(PY) -m pip install -q torch==2.13.0 uvicorn watchfiles "prometheus-fastapi-instrumentator>=8.0.0" \
+	  "model-hosting-container-standards>=0.1.14,<1.0.0"
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
 	$(PY) -m pip install -q jax==0.10.2

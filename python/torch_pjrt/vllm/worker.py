@@ -13,7 +13,11 @@ mappings (computed by kernels.compute_slot_mapping) and the sampler's state. Wha
 Each step runs at a padded shape (buckets.py): its token count rounds up to a token bucket (vLLM pads the
 input ids and positions to the batch descriptor's token count) and its request count to a request bucket (the
 logit rows here, the attention metadata in the backend's builder). The worker's compile_or_warm_up_model, which
-vLLM calls once the KV cache is allocated, runs a dummy step of every pair, so serving compiles nothing.
+vLLM calls once the KV cache is allocated, runs a dummy step of every pair, then the sampler once (vLLM's
+torch.compile'd logprob ranks), so serving compiles nothing.
+
+Seeded requests sample with host generators; the runner rewinds those of partial-prefill steps by their state
+(_sample, _bookkeeping_sync), where vLLM moves a CUDA generator's offset, which CPU generators lack.
 
 The worker (TpuWorker, a CPUWorker) initialises the device and torch.distributed (the `tpu_dist` backend)
 instead of the CPU's memory-node binding and OpenMP set-up, and sizes the KV cache from the device's memory.
@@ -25,6 +29,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 import torch_pjrt
@@ -36,6 +41,8 @@ from vllm.platforms import current_platform
 from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
@@ -69,6 +76,31 @@ class TpuModelRunner(CPUModelRunner):
         self.buckets = Buckets.from_config(vllm_config)
         self._logit_rows: int | None = None  # the real rows of the next compute_logits, when padded
         self.bucket_warm_up_stats: dict[str, Any] = {}  # warm_up_buckets' buckets, time, compiles
+        self._rewound_generators: set[int] = set()  # _sample's, for _bookkeeping_sync
+
+    def _sample(self, logits, spec_decode_metadata):
+        # A seeded request's generator is a host generator (the sampler runs on the host). A request whose step
+        # is a partial prefill samples a token that is discarded, and vLLM then rewinds its generator by moving
+        # its Philox offset back (_bookkeeping_sync), which a CPU generator does not have ("CPU Generator does
+        # not use offset"). Here such generators get the state they had before sampling back instead, so that a
+        # seeded request's tokens do not depend on how its prompt was chunked, and _bookkeeping_sync skips them.
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0].tolist()
+        states = {i: generators[i].get_state() for i in discarded if i in generators}
+        output = super()._sample(logits, spec_decode_metadata)
+        for i, state in states.items():
+            generators[i].set_state(state)
+        self._rewound_generators = set(states)
+        return output
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        rewound = {i: generators.pop(i) for i in self._rewound_generators if i in generators}
+        self._rewound_generators = set()
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(rewound)
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args, **kwargs):
         # vLLM pads the model's inputs (input ids, positions) to the batch descriptor's token count: the
@@ -153,8 +185,11 @@ class TpuModelRunner(CPUModelRunner):
                     list(self.buckets.tokens), list(self.buckets.requests))
         start = time.perf_counter()
         before = torch_pjrt.metrics()
+        logits = None
         for num_tokens, num_reqs in pairs:
-            self._dummy_bucket_step(num_tokens, num_reqs)
+            logits = self._dummy_bucket_step(num_tokens, num_reqs)
+        if logits is not None:
+            self._warm_up_sampler(logits)
         torch_pjrt.sync()
         after = torch_pjrt.metrics()
         self.bucket_warm_up_stats = {
@@ -184,7 +219,28 @@ class TpuModelRunner(CPUModelRunner):
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens, slot_mapping={}):
             hidden_states = self._model_forward(input_ids=input_ids, positions=positions, intermediate_tensors=None,
                                                 inputs_embeds=None, **self._init_model_kwargs())
-        self.model.compute_logits(hidden_states[logits_indices])
+        return self.model.compute_logits(hidden_states[logits_indices])
+
+    def _warm_up_sampler(self, logits: torch.Tensor) -> None:
+        """Runs the sampler once (on the host, as every step does) over a dummy step's logits with what a request
+        can ask for: temperature, top-k, top-p, a seed and logprobs. The sampler's logprob ranks
+        (vllm.v1.sample.ops.logprobs.batched_count_greater_than) are a torch.compile'd function (the platform's
+        simple_compile_backend) that Dynamo would otherwise trace on the first request asking for logprobs (about a
+        second); its batch dimension is unbacked, so one trace serves every batch size. The rest of the sampler is
+        eager torch on the host and compiles nothing."""
+        rows = logits.shape[0]
+
+        def full(value, dtype=torch.float32):
+            return torch.full((rows,), value, dtype=dtype, device=self.device)
+
+        metadata = SamplingMetadata(
+            temperature=full(0.5), all_greedy=False, all_random=True, top_p=full(0.9),
+            top_k=full(2, torch.int32), generators={0: torch.Generator(device=self.device).manual_seed(0)},
+            max_num_logprobs=1, no_penalties=True, prompt_token_ids=None, frequency_penalties=full(0.0),
+            presence_penalties=full(0.0), repetition_penalties=full(1.0), output_token_ids=[[] for _ in range(rows)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+            spec_token_ids=[[] for _ in range(rows)])
+        self.sampler(logits=logits.to(self.device, dtype=torch.float32), sampling_metadata=metadata)
 
     def initialize_kv_cache_tensors(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int],
                                     kv_cache_allocation_context: AbstractContextManager | None = None,
@@ -291,8 +347,12 @@ class TpuWorker(CPUWorker):
     def torch_pjrt_metrics(self) -> dict:
         """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...): read from the
         front end with LLM.collective_rpc("torch_pjrt_metrics")."""
+        from torch._dynamo.utils import counters
+
         torch_pjrt.sync()
-        return torch_pjrt.metrics()
+        # With the graphs Dynamo has traced in this process (vLLM's torch.compile'd helpers): not reset by
+        # torch_pjrt_reset_metrics.
+        return dict(torch_pjrt.metrics(), dynamo_graphs=counters["stats"]["unique_graphs"])
 
     def torch_pjrt_warm_up(self) -> dict:
         """What the bucket warm-up at engine start did (LLM.collective_rpc("torch_pjrt_warm_up")): the token and
