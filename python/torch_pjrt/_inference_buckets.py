@@ -1,5 +1,6 @@
 """Dynamic batch buckets for inference graphs: which graphs keep their batch rows apart, and how a call runs
-padded to a power-of-two bucket and is cut back to its real rows (docs/design/compiled-mode.md)."""
+padded to a power-of-two bucket (clipped to a mark_dynamic max) and is cut back to its real rows
+(docs/design/compiled-mode.md)."""
 from __future__ import annotations
 
 
@@ -281,11 +282,13 @@ def _dims_of(node, name):
     return {d % rank for d in dims}
 
 
-def _bucket(n: int) -> int:
+def _bucket(n: int, upper=None) -> int:
+    """The size a batch of n runs at: the next power of two, clipped to the batch's upper bound (a
+    mark_dynamic max, or a bound Dynamo derived from a guard), so a bucket never leaves the traced range."""
     size = 1
     while size < n:
         size *= 2
-    return size
+    return size if upper is None or size <= upper else max(n, upper)
 
 
 class _BatchBuckets:
@@ -297,6 +300,7 @@ class _BatchBuckets:
         fake = next((n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
         self.shape_env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
         self.guards = None  # the shape guards on the batch, read at the first call (when Dynamo has them all)
+        self.upper = ()  # the batch's largest allowed size (None: unbounded), read at the first call
         self.guards_hold = {}  # (bucket, sizes) -> whether they all hold at the bucket
         self.symbols = {}  # bare size symbol -> int argument index
         self.dims = []     # (tensor argument index, dim, bare size symbol): the sizes the tensors give
@@ -345,8 +349,10 @@ class _BatchBuckets:
         under a relation such as batch * length == 15 must not see the padded batch."""
         if self.guards is None:
             env = self.shape_env
-            self.guards = None if env is None else [g.expr for g in env.guards if not g.expr.free_symbols.isdisjoint(
-                self.batch)]
+            # Symbols a guard made equal are replaced first: the graph names one of them (two inputs marked
+            # dynamic, whose sizes a guard found equal, give Eq(s1, s0), which reads True after s1 -> s0).
+            guards = None if env is None else [env.replace(g.expr) for g in env.guards]
+            self.guards = None if guards is None else [g for g in guards if not g.free_symbols.isdisjoint(self.batch)]
         if self.guards is None:
             return False
         key = (bucket, tuple(values.values()))  # sizes() fills values in one order on every call
@@ -371,11 +377,18 @@ class _BatchBuckets:
                 padded[self.symbols[s]] = bucket
         return padded
 
+    def upper_bound(self):
+        """The largest batch the graph was traced for (None: unbounded): the smallest upper end of the batch
+        symbols' value ranges, which hold mark_dynamic's max (and bounds Dynamo derived from guards)."""
+        if self.upper == ():
+            self.upper = _upper_bound(self.shape_env, self.batch)
+        return self.upper
+
     def plan(self, args):
         """(the real batch, the sizes, the rows per padded argument, the size to run at): the bucket, or the
         batch itself when the call must run exactly (sizes() refused, or a guard on the batch fails there)."""
         batch, values, rows = self.sizes(args)
-        bucket = _bucket(batch)
+        bucket = _bucket(batch, self.upper_bound())
         if rows is None or bucket == batch or not self.holds_at(bucket, values):
             bucket = batch
         return batch, values, rows, bucket
@@ -395,6 +408,19 @@ class _BatchBuckets:
             if per_row is not None and isinstance(cut[k], torch.Tensor):
                 cut[k] = cut[k].narrow(0, 0, batch * int(per_row.subs(values)))
         return cut
+
+
+def _upper_bound(shape_env, symbols):
+    """The smallest finite upper end of the symbols' value ranges in the shape environment, or None."""
+    ranges = getattr(shape_env, "var_to_range", None) or {}
+    upper = None
+    for s in symbols:
+        r = ranges.get(s)
+        # int_oo (unbounded) is not an Integer (and claims is_finite)
+        end = int(r.upper) if r is not None and getattr(r.upper, "is_Integer", False) else None
+        if end is not None and (upper is None or end < upper):
+            upper = end
+    return upper
 
 
 def _batch_buckets(gm):
