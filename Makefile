@@ -25,7 +25,7 @@ deps:
 	  "model-hosting-container-standards>=0.1.14,<1.0.0"
 	# jax's CPU wheel: JAX/Pallas kernels (tests skip without it) and the jax.jit benchmark baseline.
 	# It needs numpy>=2 and scipy, nothing torch pins.
-	$(PY) -m pip install -q jax==0.10.2
+	$(PY) -m pip install -q jax==0.10.2 flatbuffers  # flatbuffers: jax.export (de)serialization (torch_pjrt.export)
 	# Helion (tests/python/helion, python/torch_pjrt/helion): its kernels run on tpu through their Pallas JAX view.
 	# Pure Python; requires no torch, Triton or jax (it brings scikit-learn, filecheck, rich, psutil).
 	$(PY) -m pip install -q torch==2.13.0 helion==1.5.1

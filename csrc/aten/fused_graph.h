@@ -66,6 +66,31 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
 // buffer types) so the caller runs the graph op by op instead.
 std::optional<std::vector<std::optional<at::Tensor>>> replay(const ReplayPlan& plan,
                                                              const std::vector<at::Tensor>& inputs);
+// The pending graph as a portable program (torch_pjrt.export, docs/design/export.md): its module text
+// (no donation, no earlier check status), what each parameter reads, where each output is. The graph then
+// runs. Null, with replay_refusal() saying why, where the graph cannot be mapped to inputs and outputs.
+struct ExportedProgram {
+  struct Operand {
+    enum Kind { Input, Constant, Rng } kind = Input;
+    int input = -1;          // Input: the input it reads
+    int64_t rng_count = -1;  // Rng: numbers a random op draws
+    ElementType type = ElementType::F32;
+    std::vector<int64_t> dims;
+    std::string bytes;  // Constant: the buffer's bytes
+  };
+  struct Output {
+    enum Kind { None, Result, Input } kind = None;
+    int index = 0;  // Result: the live result; Input: the input whose storage it views
+    std::vector<int64_t> sizes, strides;
+    int64_t offset = 0;
+  };
+  std::string text;
+  std::vector<Operand> operands;
+  bool checks = false;  // the program appends a runtime-check status result
+  std::vector<Output> outputs;
+};
+std::optional<ExportedProgram> export_program(const std::vector<at::Tensor>& inputs,
+                                              const std::vector<std::optional<at::Tensor>>& outputs);
 // Why the latest run_and_capture() made no plan ("" if it made one).
 std::string replay_refusal();
 

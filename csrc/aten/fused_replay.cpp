@@ -227,6 +227,50 @@ std::shared_ptr<ReplayPlan> run_and_capture(const std::vector<at::Tensor>& input
   return plan;
 }
 
+std::optional<ExportedProgram> export_program(const std::vector<at::Tensor>& inputs,
+                                              const std::vector<std::optional<at::Tensor>>& outputs) {
+  check_not_forked();
+  PendingGraph& g = pending_graph(graph_device(inputs));
+  GraphLock lock(g);
+  if (g.ops.empty()) return std::nullopt;
+  std::vector<int> live = live_storages(g);
+  std::shared_ptr<ReplayPlan> plan = plan_replay(g, inputs, outputs, live);
+  if (!plan) {
+    run_graph(g);
+    return std::nullopt;
+  }
+  ExportedProgram e;
+  e.checks = compile_graph(g, live, /*donated=*/{}, /*chained=*/false, &e.text)->checks != nullptr;
+  for (size_t k = 0; k < plan->operand_input.size(); ++k) {
+    ExportedProgram::Operand op;
+    std::tie(op.type, op.dims) = plan->operand_types[k];
+    if (plan->operand_input[k] >= 0) {
+      op.input = plan->operand_input[k];
+    } else if (plan->operand_rng[k] >= 0) {
+      op.kind = ExportedProgram::Operand::Rng;
+      op.rng_count = plan->operand_rng[k];
+    } else {
+      op.kind = ExportedProgram::Operand::Constant;
+      op.bytes.resize(plan->operand_const[k]->byte_count());
+      plan->operand_const[k]->to_host(op.bytes.data());
+    }
+    e.operands.push_back(std::move(op));
+  }
+  for (const ReplayOutput& r : plan->outputs) {
+    ExportedProgram::Output out;
+    out.kind = r.kind == ReplayOutput::New     ? ExportedProgram::Output::Result
+               : r.kind == ReplayOutput::Input ? ExportedProgram::Output::Input
+                                               : ExportedProgram::Output::None;
+    out.index = r.index;
+    out.sizes = r.meta.sizes;
+    out.strides = r.meta.strides;
+    out.offset = r.meta.offset;
+    e.outputs.push_back(std::move(out));
+  }
+  run_graph(g);
+  return e;
+}
+
 std::string replay_refusal() { return g_replay_refusal; }
 
 namespace {

@@ -315,6 +315,55 @@ PYBIND11_MODULE(_C, m) {
     if (!plan) return std::nullopt;
     return ReplayHandle{std::move(plan)};
   }, release_gil());
+  // torch_pjrt.export: the pending graph as a portable program, or None (_replay_refusal() says why).
+  m.def("_export_program", [](const std::vector<at::Tensor>& inputs,
+                              const std::vector<std::optional<at::Tensor>>& outputs) -> py::object {
+    std::optional<ExportedProgram> e;
+    {
+      py::gil_scoped_release release;
+      e = export_program(inputs, outputs);
+    }
+    if (!e) return py::none();
+    auto torch_name = [](ElementType t) -> const char* {
+      switch (t) {
+        case ElementType::Pred: return "bool";
+        case ElementType::S8: return "int8";
+        case ElementType::S16: return "int16";
+        case ElementType::S32: return "int32";
+        case ElementType::S64: return "int64";
+        case ElementType::U8: return "uint8";
+        case ElementType::U16: return "uint16";
+        case ElementType::U32: return "uint32";
+        case ElementType::U64: return "uint64";
+        case ElementType::F16: return "float16";
+        case ElementType::BF16: return "bfloat16";
+        case ElementType::F32: return "float32";
+        case ElementType::F64: return "float64";
+        case ElementType::C64: return "complex64";
+        case ElementType::C128: return "complex128";
+      }
+      return "?";
+    };
+    py::list operands, outputs_out;
+    for (const auto& op : e->operands) {
+      if (op.kind == ExportedProgram::Operand::Input)
+        operands.append(py::make_tuple("input", op.input));
+      else if (op.kind == ExportedProgram::Operand::Rng)
+        operands.append(py::make_tuple("rng", op.rng_count));
+      else
+        operands.append(py::make_tuple("constant", torch_name(op.type), op.dims, py::bytes(op.bytes)));
+    }
+    for (const auto& out : e->outputs) {
+      if (out.kind == ExportedProgram::Output::None) {
+        outputs_out.append(py::none());
+        continue;
+      }
+      const char* kind = out.kind == ExportedProgram::Output::Result ? "result" : "input";
+      outputs_out.append(py::make_tuple(kind, out.index, out.sizes, out.strides, out.offset));
+    }
+    return py::dict(py::arg("text") = e->text, py::arg("operands") = operands,
+                    py::arg("checks") = e->checks ? 1 : 0, py::arg("outputs") = outputs_out);
+  });
   m.def("_replay", [](const ReplayHandle& h, const std::vector<at::Tensor>& inputs) { return replay(*h.plan, inputs); },
         release_gil());
   // A compiled graph's call arguments as (tpu tensors, ints), or None if any is neither: done here

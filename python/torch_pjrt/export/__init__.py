@@ -16,7 +16,7 @@ An artifact is a directory (docs/design/export.md):
 - weights.safetensors (weights.npz without safetensors): parameters, buffers and constant tensors by name;
 - jax.exported: jax.export's serialization of the module (when jax can serialize: it needs flatbuffers).
 
-save() needs the extension binding _C._export_program; load() and from_jax() need only this package.
+save() reads the recorded graph through the extension (_C._export_program).
 """
 from __future__ import annotations
 
@@ -26,10 +26,9 @@ import os
 import torch
 
 from . import _capture, _jax_interop, _module
-from ._capture import MISSING_BINDING
 from ._run import ModuleFunction
 
-__all__ = ["save", "load", "from_jax", "LoadedProgram", "FORMAT_VERSION", "MISSING_BINDING"]
+__all__ = ["save", "load", "from_jax", "LoadedProgram", "FORMAT_VERSION"]
 
 FORMAT = "torch_pjrt.export"
 FORMAT_VERSION = 1
@@ -123,8 +122,6 @@ def save(program, path, args=None, kwargs=None, *, check: bool = True) -> str:
     from .._compile_backend import decompositions
     from torch.utils import _pytree as pytree
 
-    if _capture.binding() is None:
-        raise NotImplementedError(MISSING_BINDING)
     ep = _exported_program(program, args, kwargs)
     ep = ep.run_decompositions(decompositions())
     inputs, output_names = _signature(ep, args, kwargs)

@@ -2,10 +2,7 @@
 code, and by JAX (docs/design/export.md).
 
 References: PyTorch on the CPU (the model's own forward) for every output; JAX on its CPU backend for
-from_jax. save() needs the extension binding _C._export_program: where the build lacks it, the round-trip
-tests answer it from a graph capture of the same graph (torch.accelerator.Graph's debug_dump gives the
-program text; each program parameter is matched to the input storage of its size, and the 0-d parameters are
-addmm's alpha and beta, 1.0), which checks everything save() does after the binding's answer.
+from_jax.
 """
 import json
 import os
@@ -41,63 +38,12 @@ class Head(nn.Module):
         return {"y": y, "total": y.sum(-1) + bias, "shift": self.shift.clone()}
 
 
-def _simulated_binding(graph_module):
-    """_C._export_program's answer for a graph whose storage parameters all differ in size and whose 0-d f32
-    parameters are addmm's alpha and beta (1.0): the program text from a capture of the same graph."""
-
-    def export_program(inputs, outputs):
-        graph = torch.accelerator.Graph()
-        graph.enable_debug_mode()
-        with graph:
-            outs = [o.clone(memory_format=torch.contiguous_format) for o in graph_module(*inputs)]
-        path = os.path.join(_simulated_binding.tmp, "captured.mlir")
-        graph.debug_dump(path)
-        del outs
-        with open(path) as f:
-            text = f.read()
-        params, results = _module.main_signature(_module.module_body(text))
-        by_type = lambda ts: {(int(np.prod(t.shape)), t.dtype): i for i, t in enumerate(ts)}
-        storages, live = by_type(inputs), {}
-        operands = []
-        for p in params:
-            shape, dtype = _module.parse_tensor_type(p)
-            if shape == ():
-                assert dtype == torch.float32, text
-                operands.append(("constant", "float32", [], np.float32(1.0).tobytes()))
-            else:
-                operands.append(("input", storages[(shape[0], dtype)]))
-        for k, r in enumerate(results):
-            shape, dtype = _module.parse_tensor_type(r)
-            live[(shape[0], dtype)] = k
-        outs = [("result", live[(o.numel(), o.dtype)], list(o.shape), list(o.stride()), 0) for o in outputs]
-        return {"text": text, "operands": operands, "checks": 0, "outputs": outs}
-
-    return export_program
-
-
-@pytest.fixture
-def export_binding(monkeypatch, tmp_path):
-    """The extension's binding where it has one, else the simulated one."""
-    if _capture.binding() is not None:
-        return "extension"
-    _simulated_binding.tmp = str(tmp_path)
-    record = _capture.record
-
-    def recording(graph_module, inputs):
-        monkeypatch.setattr(_C, "_export_program", _simulated_binding(graph_module), raising=False)
-        return record(graph_module, inputs)
-
-    monkeypatch.setattr(_capture, "record", recording)
-    monkeypatch.setattr(_capture, "binding", lambda: getattr(_C, "_export_program", None) or (lambda *a: None))
-    return "simulated"
-
-
 def _expected(model, x, bias):
     with torch.no_grad():
         return model(x, bias=bias)
 
 
-def test_save_then_load_runs_without_the_model_and_equals_cpu(export_binding, tmp_path):
+def test_save_then_load_runs_without_the_model_and_equals_cpu(tmp_path):
     torch.manual_seed(0)
     model = Head().eval()
     x, bias = torch.randn(3, 4), torch.randn(3)
@@ -144,7 +90,7 @@ def test_save_then_load_runs_without_the_model_and_equals_cpu(export_binding, tm
         torch.testing.assert_close(out["y"].cpu(), expected["y"], atol=1e-5, rtol=1e-5)
 
 
-def test_jax_runs_the_saved_module(export_binding, tmp_path):
+def test_jax_runs_the_saved_module(tmp_path):
     """JAX runs the artifact's StableHLO: the Exported built from its bytecode, and jax.export.deserialize of
     the serialized file (written where JAX can serialize: it needs flatbuffers)."""
     pytest.importorskip("jax")
@@ -170,15 +116,8 @@ def test_jax_runs_the_saved_module(export_binding, tmp_path):
     np.testing.assert_allclose(np.asarray(outs[0]), expected["y"].numpy(), atol=1e-5, rtol=1e-5)
 
 
-def test_without_the_binding_save_says_what_is_missing(monkeypatch, tmp_path):
-    monkeypatch.delattr(_C, "_export_program", raising=False)
-    with pytest.raises(NotImplementedError, match=r"_C\._export_program\(inputs, outputs\)"):
-        tx.save(Head(), str(tmp_path / "x"), (torch.randn(3, 4),), {"bias": torch.randn(3)})
-
-
-@pytest.mark.skipif(_capture.binding() is None, reason="the extension lacks _C._export_program")
-def test_save_a_transformer_block_with_the_extension_binding(tmp_path):
-    """The real binding: every kind of operand (Scalars, view offsets) in a block with attention."""
+def test_save_a_transformer_block(tmp_path):
+    """Every kind of operand (Scalars, view offsets) in a block with attention."""
     torch.manual_seed(2)
     block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
     x = torch.randn(2, 5, 16)

@@ -167,7 +167,7 @@ def mismatches(model, opt, other, other_opt):
 
 
 def case_dcp(rank, world, out_dir):
-    """Sharded save/load of FSDP2 model + optimizer state; a full CPU state dict saved by rank 0."""
+    """Sharded async_save/load of FSDP2 model + optimizer state; a full CPU state dict saved by rank 0."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -178,7 +178,16 @@ def case_dcp(rank, world, out_dir):
     opt, _ = train(model, "mlp", rank, world)
     msd, osd = get_state_dict(model, opt)
     ckpt = os.path.join(out_dir, "dcp")
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    # async_save: staged before it returns, written in the background. Parameters changed in place while it
+    # writes (doubled, then halved back: exact) must not reach the checkpoint, which the load below checks.
+    saving = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().mul_(2)
+    saving.result()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().div_(2)
 
     fresh = build("mlp", dp_mesh=mesh)
     with torch.no_grad():
