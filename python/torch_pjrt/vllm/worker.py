@@ -245,10 +245,7 @@ class TpuWorker(CPUWorker):
     def init_device(self):
         if torch_pjrt.unavailable_reason is not None:
             raise RuntimeError(f"the tpu device is unavailable: {torch_pjrt.unavailable_reason}")
-        count = torch.tpu.device_count()
-        if self.local_rank >= count:
-            raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
-        self.device = torch.device("tpu", self.local_rank)
+        self.device = torch.device("tpu", self._device_index())
         torch.tpu.set_device(self.device)
         # A program whose runtime check fails (a slot out of range) still raises its error, but does not keep
         # the values it would have written: keeping them selects every written storage whole against its old
@@ -260,6 +257,18 @@ class TpuWorker(CPUWorker):
                                             self.local_rank, current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self.model_runner = TpuModelRunner(self.vllm_config, torch.device("cpu"), self.device)
+
+    def _device_index(self) -> int:
+        """This worker's device: tpu:<local_rank> where the process sees a device per local rank (a host's chips).
+        On the CPU PJRT plugin each worker process starts a client of its own, whose devices are its own host
+        memory (TORCH_PJRT_CPU_DEVICES of them, 1 by default): there local_rank % count, as torch_pjrt.distributed
+        binds a torchrun process, so tensor_parallel_size=2 runs with one device per process."""
+        count = torch.tpu.device_count()
+        if self.local_rank < count:
+            return self.local_rank
+        if count > 0 and torch_pjrt.platform()["name"] == "cpu":
+            return self.local_rank % count
+        raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
 
     def compile_or_warm_up_model(self):
         # Called once the KV cache is allocated: every program a step can need compiles here, not while serving.
