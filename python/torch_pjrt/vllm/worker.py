@@ -69,6 +69,7 @@ class TpuModelRunner(CPUModelRunner):
         self.buckets = Buckets.from_config(vllm_config)
         self._logit_rows: int | None = None  # the real rows of the next compute_logits, when padded
         self.bucket_warm_up_stats: dict[str, Any] = {}  # warm_up_buckets' buckets, time, compiles
+        self.model_steps = 0  # forwards of the model (steps, the warm-up's included): per-step metrics divide by it
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args, **kwargs):
         # vLLM pads the model's inputs (input ids, positions) to the batch descriptor's token count: the
@@ -91,6 +92,10 @@ class TpuModelRunner(CPUModelRunner):
             padded[:rows] = logits_indices
             logits_indices, self._logit_rows = padded, rows
         return logits_indices, spec_decode_metadata, max_num_sampled_tokens
+
+    def _model_forward(self, *args, **kwargs):
+        self.model_steps += 1
+        return super()._model_forward(*args, **kwargs)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights)  # vLLM's loader builds the model on the device config's tpu
@@ -298,10 +303,11 @@ class TpuWorker(CPUWorker):
         return budget
 
     def torch_pjrt_metrics(self) -> dict:
-        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...): read from the
-        front end with LLM.collective_rpc("torch_pjrt_metrics")."""
+        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...), and `model_steps`,
+        the model's forwards since the last reset (per-step costs divide by it): read from the front end with
+        LLM.collective_rpc("torch_pjrt_metrics")."""
         torch_pjrt.sync()
-        return torch_pjrt.metrics()
+        return dict(torch_pjrt.metrics(), model_steps=self.model_runner.model_steps)
 
     def torch_pjrt_warm_up(self) -> dict:
         """What the bucket warm-up at engine start did (LLM.collective_rpc("torch_pjrt_warm_up")): the token and
@@ -311,3 +317,20 @@ class TpuWorker(CPUWorker):
     def torch_pjrt_reset_metrics(self) -> None:
         torch_pjrt.sync()
         torch_pjrt.reset_metrics()
+        self.model_runner.model_steps = 0
+
+    def torch_pjrt_memory(self, reset_peak: bool = False) -> dict:
+        """This worker's device memory (LLM.collective_rpc("torch_pjrt_memory")): bytes of its KV cache tensors
+        (`kv_cache_bytes`, `kv_cache_tensors`; the largest in `kv_cache_largest_bytes`), bytes allocated now and
+        the peak since the last reset (torch.tpu's statistics: the storages of tpu tensors, where a pending graph's
+        intermediates count until it runs, not an XLA program's own temporaries). reset_peak=True starts a new peak
+        from the bytes allocated now."""
+        torch_pjrt.sync()
+        caches = {id(t): t for t in self.model_runner.kv_caches if isinstance(t, torch.Tensor)}
+        sizes = [t.numel() * t.element_size() for t in caches.values()]
+        if reset_peak:
+            torch.tpu.reset_peak_memory_stats(self.device)
+        return {"kv_cache_bytes": sum(sizes), "kv_cache_tensors": len(sizes),
+                "kv_cache_largest_bytes": max(sizes, default=0),
+                "allocated": torch.tpu.memory_allocated(self.device),
+                "peak": torch.tpu.max_memory_allocated(self.device)}
