@@ -77,6 +77,7 @@ class TpuModelRunner(CPUModelRunner):
         self._logit_rows: int | None = None  # the real rows of the next compute_logits, when padded
         self.bucket_warm_up_stats: dict[str, Any] = {}  # warm_up_buckets' buckets, time, compiles
         self._rewound_generators: set[int] = set()  # _sample's, for _bookkeeping_sync
+        self.model_steps = 0  # forwards of the model (steps, the warm-up's included): per-step metrics divide by it
 
     def _sample(self, logits, spec_decode_metadata):
         # A seeded request's generator is a host generator (the sampler runs on the host). A request whose step
@@ -123,6 +124,10 @@ class TpuModelRunner(CPUModelRunner):
             padded[:rows] = logits_indices
             logits_indices, self._logit_rows = padded, rows
         return logits_indices, spec_decode_metadata, max_num_sampled_tokens
+
+    def _model_forward(self, *args, **kwargs):
+        self.model_steps += 1
+        return super()._model_forward(*args, **kwargs)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights)  # vLLM's loader builds the model on the device config's tpu
@@ -301,10 +306,7 @@ class TpuWorker(CPUWorker):
     def init_device(self):
         if torch_pjrt.unavailable_reason is not None:
             raise RuntimeError(f"the tpu device is unavailable: {torch_pjrt.unavailable_reason}")
-        count = torch.tpu.device_count()
-        if self.local_rank >= count:
-            raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
-        self.device = torch.device("tpu", self.local_rank)
+        self.device = torch.device("tpu", self._device_index())
         torch.tpu.set_device(self.device)
         # A program whose runtime check fails (a slot out of range) still raises its error, but does not keep
         # the values it would have written: keeping them selects every written storage whole against its old
@@ -316,6 +318,18 @@ class TpuWorker(CPUWorker):
                                             self.local_rank, current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self.model_runner = TpuModelRunner(self.vllm_config, torch.device("cpu"), self.device)
+
+    def _device_index(self) -> int:
+        """This worker's device: tpu:<local_rank> where the process sees a device per local rank (a host's chips).
+        On the CPU PJRT plugin each worker process starts a client of its own, whose devices are its own host
+        memory (TORCH_PJRT_CPU_DEVICES of them, 1 by default): there local_rank % count, as torch_pjrt.distributed
+        binds a torchrun process, so tensor_parallel_size=2 runs with one device per process."""
+        count = torch.tpu.device_count()
+        if self.local_rank < count:
+            return self.local_rank
+        if count > 0 and torch_pjrt.platform()["name"] == "cpu":
+            return self.local_rank % count
+        raise RuntimeError(f"vLLM worker {self.local_rank} has no tpu device: this process sees {count}")
 
     def compile_or_warm_up_model(self):
         # Called once the KV cache is allocated: every program a step can need compiles here, not while serving.
@@ -345,14 +359,15 @@ class TpuWorker(CPUWorker):
         return budget
 
     def torch_pjrt_metrics(self) -> dict:
-        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...): read from the
-        front end with LLM.collective_rpc("torch_pjrt_metrics")."""
+        """torch_pjrt.metrics() of this worker's process (compiles, CPU fallbacks per op, ...), `model_steps`, the
+        model's forwards since the last reset (per-step costs divide by it), and `dynamo_graphs`, the graphs
+        Dynamo has traced in this process (vLLM's torch.compile'd helpers; not reset): read from the front end
+        with LLM.collective_rpc("torch_pjrt_metrics")."""
         from torch._dynamo.utils import counters
 
         torch_pjrt.sync()
-        # With the graphs Dynamo has traced in this process (vLLM's torch.compile'd helpers): not reset by
-        # torch_pjrt_reset_metrics.
-        return dict(torch_pjrt.metrics(), dynamo_graphs=counters["stats"]["unique_graphs"])
+        return dict(torch_pjrt.metrics(), model_steps=self.model_runner.model_steps,
+                    dynamo_graphs=counters["stats"]["unique_graphs"])
 
     def torch_pjrt_warm_up(self) -> dict:
         """What the bucket warm-up at engine start did (LLM.collective_rpc("torch_pjrt_warm_up")): the token and
@@ -362,3 +377,20 @@ class TpuWorker(CPUWorker):
     def torch_pjrt_reset_metrics(self) -> None:
         torch_pjrt.sync()
         torch_pjrt.reset_metrics()
+        self.model_runner.model_steps = 0
+
+    def torch_pjrt_memory(self, reset_peak: bool = False) -> dict:
+        """This worker's device memory (LLM.collective_rpc("torch_pjrt_memory")): bytes of its KV cache tensors
+        (`kv_cache_bytes`, `kv_cache_tensors`; the largest in `kv_cache_largest_bytes`), bytes allocated now and
+        the peak since the last reset (torch.tpu's statistics: the storages of tpu tensors, where a pending graph's
+        intermediates count until it runs, not an XLA program's own temporaries). reset_peak=True starts a new peak
+        from the bytes allocated now."""
+        torch_pjrt.sync()
+        caches = {id(t): t for t in self.model_runner.kv_caches if isinstance(t, torch.Tensor)}
+        sizes = [t.numel() * t.element_size() for t in caches.values()]
+        if reset_peak:
+            torch.tpu.reset_peak_memory_stats(self.device)
+        return {"kv_cache_bytes": sum(sizes), "kv_cache_tensors": len(sizes),
+                "kv_cache_largest_bytes": max(sizes, default=0),
+                "allocated": torch.tpu.memory_allocated(self.device),
+                "peak": torch.tpu.max_memory_allocated(self.device)}
