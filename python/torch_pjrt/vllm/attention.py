@@ -6,7 +6,8 @@ block table (csrc/aten/lowerings/packed_attention.cpp). A step writes its new ke
 slot (slot = page * block_size + row, vLLM's slot mapping) with one index_copy_ on a [slots, heads, dim] view
 of the layer's whole cache (values' slots one pool further), then attends with varlen_attn over the pools: cu_seq_q from the query starts, seqused_k from the
 sequence lengths, the block table as the scheduler filled it, causal aligned bottom-right (a request's new
-queries are its last tokens). No vllm._C op is called.
+queries are its last tokens). No vllm._C op is called. A platform can replace varlen_attn's portable lowering
+with a JAX kernel of its own (attention_kernels.py, vLLM's additional_config "torch_pjrt_attention_kernel").
 
 The builder pads the metadata to the step's buckets (buckets.py): padded tokens follow the last request's and
 write into vLLM's null block (block 0, never handed to a request); padded requests have no queries, sequence

@@ -49,6 +49,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import bind_kv_cache
 
 from .attention import TpuAttentionBackend
+from .attention_kernels import apply_vllm_setting
 from .buckets import Buckets
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which has the handlers
@@ -313,6 +314,12 @@ class TpuWorker(CPUWorker):
         # value, which made each step's in-place page write cost the whole KV cache (64 MiB: 34 ms a step, 0.06
         # ms without). A failed step fails its requests; the cache pages are theirs.
         torch_pjrt._C._set_keep_values_on_failed_checks(False)
+        # A platform attention kernel named in additional_config (attention_kernels.py), registered in this
+        # process before the model runs; none: the portable lowering.
+        kernel = apply_vllm_setting(self.vllm_config.additional_config)
+        if kernel is not None:
+            logger.info("attention: the platform kernel %s on %s", getattr(kernel, "__name__", kernel),
+                        torch_pjrt.platform()["name"])
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
                                             self.local_rank, current_platform.dist_backend)
