@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "aten/device.h"
 #include "aten/device_context.h"
 
 namespace torch_pjrt {
@@ -23,6 +24,7 @@ uint64_t stream_bit(int64_t id) {
 int stream_priority(int64_t id) { return id >= kHighPriorityFirst ? kHighestPriority : 0; }
 
 int64_t pool_stream(int device, int priority) {
+  check_not_forked();  // as torch.cuda.Stream() in a forked child: the device is the parent's
   bool high = priority <= kHighestPriority;
   uint32_t n = device_context(device).next_pool_stream[high ? 1 : 0]++;
   return (high ? kHighPriorityFirst : 1) + static_cast<int64_t>(n % kStreamsPerPool);

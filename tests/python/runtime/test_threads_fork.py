@@ -232,12 +232,20 @@ def test_forked_child_that_uses_the_device_raises_at_once(mode):
         x = torch.arange(4.0, device="tpu")
         pending = x + 1
         print("parent", x.cpu().tolist(), flush=True)
+        side = torch.tpu.Stream()  # work of a side stream in flight at the fork
+        with torch.tpu.stream(side):
+            m = torch.rand(256, 256).to("tpu")
+            for _ in range(8):
+                m = torch.tanh(m @ m / 256)
+        side.query()
         pid = os.fork()
         if pid == 0:
             results = [torch.tpu._is_in_bad_fork(), torch.tpu.device_count()]
             for attempt in (lambda: torch.ones(2, device="tpu"), lambda: x.add_(1), lambda: pending.cpu(),
                             lambda: x.cpu(), lambda: torch_pjrt.sync(), lambda: torch.tpu.synchronize(),
-                            lambda: torch.tpu._lazy_init(), lambda: torch.zeros(2).to("tpu")):
+                            lambda: torch.tpu._lazy_init(), lambda: torch.zeros(2).to("tpu"),
+                            lambda: side.query(), lambda: side.synchronize(), lambda: torch.tpu.Stream(),
+                            lambda: side.record_event()):
                 try:
                     attempt()
                     results.append("no error")
@@ -249,12 +257,15 @@ def test_forked_child_that_uses_the_device_raises_at_once(mode):
         assert status == 0
         assert not torch.tpu._is_in_bad_fork()
         print("parent after", (pending * 2).cpu().tolist(), flush=True)
+        side.synchronize()
+        print("parent side", bool(torch.isfinite(m.cpu()).all()), flush=True)
     """, mode=mode, timeout=120)
     lines = out.strip().splitlines()
     assert lines[0] == "parent [0.0, 1.0, 2.0, 3.0]"
     # The child: a bad fork that still knows the device count; every device use raises the fork error.
-    assert lines[1] == "child " + str([True, torch.tpu.device_count()] + [True] * 8)
+    assert lines[1] == "child " + str([True, torch.tpu.device_count()] + [True] * 12)
     assert lines[2] == "parent after [2.0, 4.0, 6.0, 8.0]"
+    assert lines[3] == "parent side True"
 
 
 def test_dataloader_worker_that_uses_the_device_fails_with_the_fork_error():
