@@ -87,6 +87,7 @@ def test_offline_generate_on_tpu_matches_transformers_greedy(tmp_path):
     # was a bucket the warm-up had run.
     serving = got["serving"]
     assert (serving["compiles"], serving["disk_cache_hits"]) == (0, 0), serving["recompile_reasons"]
+    assert serving["recompile_reasons"] == []  # what torch_pjrt.explain() lists in the worker: nothing recompiled
     # Nor did Dynamo trace anything: the sampler's torch.compile'd logprob ranks were traced by the warm-up.
     assert got["start"]["dynamo_graphs"] >= 1 and serving["dynamo_graphs"] == got["start"]["dynamo_graphs"], got
 
