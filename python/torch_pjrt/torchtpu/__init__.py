@@ -21,19 +21,18 @@ ABSENT = {
     "torch.tpu": {
         "allow_excess_precision": "XLA's --xla_allow_excess_precision is not settable per process here: torch_pjrt "
                                   "passes no XLA debug options from Python (the extension would need a binding)",
-        "default_generators": "the extension exposes no Python handle on a device's default generator; "
-                              "torch.tpu.get_rng_state/set_rng_state/manual_seed cover its state",
+        "default_generators": "torch 2.13 has no Python accessor for a PrivateUse1 device's default generator "
+                              "(torch._C has torch.default_generator for the CPU and one for MPS only; "
+                              "torch.Generator(device='tpu') makes a new generator, not the default) and the "
+                              "extension binds none; torch.tpu.get_rng_state/set_rng_state/manual_seed cover its "
+                              "state",
     },
     "torch.tpu.pallas": {
         "get_pallas_mesh": "jax_op runs a kernel on one device: meshes and partition specs are not supported",
     },
     "torch.tpu.ops": {
-        **{name: "TPU SparseCore only (no SparseCore on other devices; the CPU/GPU plugins have none)" for name in (
-            "sparse_dense_matmul", "sparse_dense_matmul_activation_unstack", "sparse_dense_matmul_grad_with_adagrad",
-            "sparse_dense_matmul_grad_with_adam", "sparse_dense_matmul_grad_with_sgd",
-            "sparse_dense_matmul_gradient_stack", "sparse_gather", "sparse_gather_backward", "sparse_iota",
-            "sparse_map_row")},
-        "ragged_all_to_all": "not built yet: use torch.distributed.all_to_all_single with split sizes",
+        "sparse_map_row": "its body is an MLIR module compiled for the SparseCore's own dialect (tpu/sparse "
+                          "ops on CSR tiles): it cannot be run portably on other devices",
         "align_jagged_to_multiple": "not built yet: jagged NestedTensors are not supported on tpu",
         "strip_jagged_padding": "not built yet: jagged NestedTensors are not supported on tpu",
     },

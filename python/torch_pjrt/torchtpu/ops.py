@@ -4,7 +4,9 @@
 - max_pool{1,2,3}d and their _backward: PyTorch's max pooling (the backward recomputes the maxima's positions
   from the input, as TorchTPU's does; ties go to the first maximum, as in PyTorch);
 - ragged_dot, ragged_dot_weight_grad: one masked contraction over the groups (no data-dependent shapes);
-- all_gather_dim, reduce_scatter_dim, send, recv: torch.distributed collectives (tpu_dist);
+- all_gather_dim, reduce_scatter_dim, send, recv, ragged_all_to_all: torch.distributed collectives (tpu_dist);
+- sparse_gather, sparse_gather_backward, sparse_iota, sparse_dense_matmul*: portable implementations of
+  TorchTPU's SparseCore ops (_sparsecore.py: gathers, masked sums and index_add);
 - splash_sdpa: F.scaled_dot_product_attention with splash's masks (causal, or causal sliding window); the
   Pallas splash kernel's block sizes and layouts only tune that kernel and are ignored.
 """
@@ -15,9 +17,15 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from . import _sparsecore
+from ._sparsecore import (sparse_dense_matmul, sparse_dense_matmul_activation_unstack,  # noqa: F401
+                          sparse_dense_matmul_grad_with_adagrad, sparse_dense_matmul_grad_with_adam,
+                          sparse_dense_matmul_grad_with_sgd, sparse_dense_matmul_gradient_stack, sparse_gather,
+                          sparse_gather_backward, sparse_iota)
+
 __all__ = ["optimization_barrier", "max_pool1d", "max_pool1d_backward", "max_pool2d", "max_pool2d_backward",
            "max_pool3d", "max_pool3d_backward", "ragged_dot", "ragged_dot_weight_grad", "all_gather_dim",
-           "reduce_scatter_dim", "send", "recv", "splash_sdpa"]
+           "reduce_scatter_dim", "send", "recv", "ragged_all_to_all", "splash_sdpa", *_sparsecore.__all__]
 
 _barrier = None
 _barrier_lock = threading.Lock()
@@ -163,6 +171,74 @@ def recv(tensors, src, tag):
     import torch.distributed as dist
 
     return _Works(dist.irecv(t, src, tag=tag) for t in tensors)
+
+
+def _ints(t):
+    return [int(v) for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+
+
+def _ragged_exchange(operand, output, send_starts, send_sizes, recv_sizes, recv_starts, group):
+    """output with, for each rank j, the recv_sizes[j] rows that j sent here written at recv_starts[j]; this
+    rank sends operand rows [send_starts[j], + send_sizes[j]) to rank j. All offsets and sizes are ints."""
+    import torch.distributed as dist
+
+    rest = operand.shape[1:]
+    packed = torch.cat([operand.narrow(0, s, n) for s, n in zip(send_starts, send_sizes)], 0) if sum(send_sizes) \
+        else operand.new_empty((0, *rest))
+    received = operand.new_empty((sum(recv_sizes), *rest))
+    dist.all_to_all_single(received, packed.contiguous(), recv_sizes, send_sizes, group=group)
+    result = output.clone()
+    at = 0
+    for start, n in zip(recv_starts, recv_sizes):
+        if n:
+            result[start:start + n] = received[at:at + n]
+        at += n
+    return result
+
+
+class _RaggedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, operand, output, send_starts, send_sizes, recv_sizes, recv_starts, group):
+        ctx.save = (send_starts, send_sizes, recv_sizes, recv_starts, group, operand.shape)
+        return _ragged_exchange(operand, output, send_starts, send_sizes, recv_sizes, recv_starts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_starts, send_sizes, recv_sizes, recv_starts, group, shape = ctx.save
+        # the reverse exchange: the rows this rank received go back to where their senders took them from
+        zeros = grad.new_zeros(shape)
+        grad_operand = _ragged_exchange(grad.contiguous(), zeros, recv_starts, recv_sizes, send_sizes, send_starts,
+                                        group)
+        return grad_operand, None, None, None, None, None, None
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, process_group_name,
+                      *, out=None):
+    """Rank i sends operand rows [input_offsets[j], + send_sizes[j]) to rank j, which writes them into its
+    result (a copy of output) at row output_offsets[j] as given by the sender; recv_sizes[j] is how many rows
+    come from rank j. The process group is named by process_group_name (ProcessGroup.group_name; "" or
+    None: the default group). Differentiable in operand when out is not given. The offsets and sizes are read
+    on the host (one synchronization), then one torch.distributed.all_to_all_single with those split sizes
+    moves the rows, after one moving the output offsets."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    group = c10d._resolve_process_group(process_group_name) if process_group_name else None
+    world = dist.get_world_size(group)
+    lists = [_ints(t) for t in (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    for name, values in zip(("input_offsets", "send_sizes", "output_offsets", "recv_sizes"), lists):
+        if len(values) != world:
+            raise ValueError(f"expected {name} to have one entry per rank ({world}), got {len(values)}")
+    send_starts, sends, dest_offsets, recvs = lists
+    # where each sender wants its rows here: sender j's output_offsets[this rank]
+    theirs = torch.empty(world, dtype=torch.int64, device=operand.device)
+    dist.all_to_all_single(theirs, torch.tensor(dest_offsets, dtype=torch.int64, device=operand.device),
+                           group=group)
+    recv_starts = _ints(theirs.cpu())
+    if out is not None:
+        with torch.no_grad():
+            return out.copy_(_ragged_exchange(operand, output, send_starts, sends, recvs, recv_starts, group))
+    return _RaggedAllToAll.apply(operand, output, send_starts, sends, recvs, recv_starts, group)
 
 
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")

@@ -520,6 +520,30 @@ TWO_RANKS = textwrap.dedent(r"""
         ops.recv(into, 0, 7).wait()
         assert torch.equal(into[0].cpu(), full(0)) and torch.equal(into[1].cpu(), full(0).int() * 2)
 
+    # ragged_all_to_all: rank r sends operand rows [in_off[j], + send[j]) to rank j, at out_off[j] there
+    spec = {0: ([0, 2], [2, 3], [1, 0]), 1: ([1, 3], [1, 2], [4, 3])}  # rank: (in_off, send, out_off)
+    operands = [torch.arange(10, dtype=torch.float32).reshape(5, 2) + 100 * r for r in range(2)]
+    weights = [torch.arange(12, dtype=torch.float32).reshape(6, 2) + 1000 * r for r in range(2)]
+    want, want_grad = torch.full((6, 2), -1.0), torch.zeros(5, 2)
+    for src in range(2):
+        in_off, send, out_off = spec[src]
+        if src == rank:  # the gradient of sum(result * weight) on the receivers, back at the sent rows
+            for j in range(2):
+                want_grad[in_off[j]:in_off[j] + send[j]] = weights[j][out_off[j]:out_off[j] + send[j]]
+        want[out_off[rank]:out_off[rank] + send[rank]] = operands[src][in_off[rank]:in_off[rank] + send[rank]]
+    in_off, send, out_off = (torch.tensor(v, device="tpu") for v in spec[rank])
+    recv = torch.tensor([spec[0][1][rank], spec[1][1][rank]], device="tpu")
+    operand = operands[rank].to("tpu").requires_grad_(True)
+    got = ops.ragged_all_to_all(operand, torch.full((6, 2), -1.0, device="tpu"), in_off, send, out_off, recv,
+                                dist.group.WORLD.group_name)
+    assert torch.equal(got.detach().cpu(), want), (rank, got, want)
+    (got * weights[rank].to("tpu")).sum().backward()
+    assert torch.equal(operand.grad.cpu(), want_grad), (rank, operand.grad, want_grad)
+    into = torch.zeros(6, 2, device="tpu")
+    res = ops.ragged_all_to_all(operand.detach(), torch.full((6, 2), -1.0, device="tpu"), in_off, send, out_off,
+                                recv, "", out=into)
+    assert res is into and torch.equal(into.cpu(), want)
+
     mesh = torch.tpu.distributed.topology_aware_mesh((1, 2))
     assert mesh.dtype == torch.int64 and mesh.tolist() == [[0, 1]]
     assert torch.tpu.distributed.topology_aware_mesh((2,), dcn_mesh_shape=(1,)).tolist() == [0, 1]
