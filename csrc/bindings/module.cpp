@@ -2,6 +2,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Generator.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
@@ -402,6 +403,11 @@ PYBIND11_MODULE(_C, m) {
         e.discard_as_unraisable("torch_pjrt: restoring host state after a failed step");
       }
     });
+  });
+  // Device `device`'s default generator as a torch.Generator (torch.tpu.default_generators): the object wraps the
+  // context's generator, which lives as long as the process.
+  m.def("_default_generator", [](int device) {
+    return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(default_generator(device)));
   });
   m.def("_manual_seed", [](int device, uint64_t seed) {
     auto gen = default_generator(device);

@@ -21,11 +21,6 @@ ABSENT = {
     "torch.tpu": {
         "allow_excess_precision": "XLA's --xla_allow_excess_precision is not settable per process here: torch_pjrt "
                                   "passes no XLA debug options from Python (the extension would need a binding)",
-        "default_generators": "torch 2.13 has no Python accessor for a PrivateUse1 device's default generator "
-                              "(torch._C has torch.default_generator for the CPU and one for MPS only; "
-                              "torch.Generator(device='tpu') makes a new generator, not the default) and the "
-                              "extension binds none; torch.tpu.get_rng_state/set_rng_state/manual_seed cover its "
-                              "state",
     },
     "torch.tpu.pallas": {
         "get_pallas_mesh": "jax_op runs a kernel on one device: meshes and partition specs are not supported",

@@ -132,6 +132,18 @@ class _TpuModule(types.ModuleType):
 
         torch_pjrt.set_mode(_mode_name(value))
 
+    @property
+    def default_generators(self) -> tuple:
+        """Each device's default torch.Generator, as torch.cuda.default_generators: seeding one is
+        torch.tpu.manual_seed on that device."""
+        gens = self.__dict__.get("_default_generators")
+        if gens is None:
+            from .. import _C
+
+            gens = tuple(_C._default_generator(i) for i in range(_C._device_count()))
+            self.__dict__["_default_generators"] = gens
+        return gens
+
     def __getattr__(self, name: str):
         absent = self.__dict__.get("_absent_getattr")
         if absent is None:

@@ -199,6 +199,21 @@ def test_set_stream_takes_tpu_streams_only():
         torch.tpu.set_stream(types.SimpleNamespace(device=torch.device("tpu", torch.tpu.device_count())))
 
 
+def test_default_generators_are_the_devices_own():
+    gens = torch.tpu.default_generators
+    assert len(gens) == torch.tpu.device_count() and gens is torch.tpu.default_generators
+    assert all(isinstance(g, torch.Generator) and g.device == torch.device("tpu", i) for i, g in enumerate(gens))
+    state = torch.tpu.get_rng_state()
+    try:
+        gens[0].manual_seed(123)
+        first = torch.rand(5, device="tpu").cpu()
+        torch.tpu.manual_seed(123)  # the same generator
+        assert torch.equal(torch.rand(5, device="tpu").cpu(), first)
+        assert gens[0].initial_seed() == 123
+    finally:
+        torch.tpu.set_rng_state(state)
+
+
 def test_device_properties_and_rng_names():
     props = torch.tpu.get_device_properties()
     assert props.name == torch_pjrt._C._device_kind(0)
