@@ -325,26 +325,6 @@ PYBIND11_MODULE(_C, m) {
       e = export_program(inputs, outputs);
     }
     if (!e) return py::none();
-    auto torch_name = [](ElementType t) -> const char* {
-      switch (t) {
-        case ElementType::Pred: return "bool";
-        case ElementType::S8: return "int8";
-        case ElementType::S16: return "int16";
-        case ElementType::S32: return "int32";
-        case ElementType::S64: return "int64";
-        case ElementType::U8: return "uint8";
-        case ElementType::U16: return "uint16";
-        case ElementType::U32: return "uint32";
-        case ElementType::U64: return "uint64";
-        case ElementType::F16: return "float16";
-        case ElementType::BF16: return "bfloat16";
-        case ElementType::F32: return "float32";
-        case ElementType::F64: return "float64";
-        case ElementType::C64: return "complex64";
-        case ElementType::C128: return "complex128";
-      }
-      return "?";
-    };
     py::list operands, outputs_out;
     for (const auto& op : e->operands) {
       if (op.kind == ExportedProgram::Operand::Input)
@@ -352,7 +332,7 @@ PYBIND11_MODULE(_C, m) {
       else if (op.kind == ExportedProgram::Operand::Rng)
         operands.append(py::make_tuple("rng", op.rng_count));
       else
-        operands.append(py::make_tuple("constant", torch_name(op.type), op.dims, py::bytes(op.bytes)));
+        operands.append(py::make_tuple("constant", scalar_type_of(op.type), op.dims, py::bytes(op.bytes)));
     }
     for (const auto& out : e->outputs) {
       if (out.kind == ExportedProgram::Output::None) {

@@ -95,24 +95,31 @@ def _flat_fn(fn):
     return flat
 
 
-_SYMBOL = re.compile(r'sym_name = "([^"]+)"')
+# A function definition's symbol, in the pretty (`func.func private @f`) or the generic (`sym_name = "f"`) form.
+_DEFINED = re.compile(r'func\.func\s+(?:(?:public|private|nested)\s+)?@([\w$.-]+)|sym_name\s*=\s*"([\w$.-]+)"')
+
+
+def _private_functions(text: str, prefix: str, owner: str):
+    """A module's functions with every symbol prefixed and made private, as callees inside torch_pjrt's
+    programs (which have a main of their own): (main's new symbol, the definitions). Generic or pretty form."""
+    symbols = {a or b for a, b in _DEFINED.findall(text)}
+    if "main" not in symbols:
+        raise ValueError(f"{owner}: the module has no main function")
+    names = "|".join(re.escape(s) for s in sorted(symbols, key=len, reverse=True))
+    text = re.sub(r"@(" + names + r")(?![\w$.-])", lambda m: f"@{prefix}{m.group(1)}", text)
+    text = re.sub(r'sym_name\s*=\s*"(' + names + r')"', lambda m: f'sym_name = "{prefix}{m.group(1)}"', text)
+    text = re.sub(r"func\.func\s+public\s+@", "func.func private @", text)
+    text = text.replace('sym_visibility = "public"', 'sym_visibility = "private"')
+    # A public function with no visibility keyword is printed without one: make every definition private.
+    text = re.sub(r"func\.func\s+@", "func.func private @", text)
+    return prefix + "main", text
 
 
 def _generic_functions(lowered, prefix):
-    """The module's func.func ops as generic MLIR text, every symbol prefixed; main is private."""
+    """The lowered JAX module's func.func ops as generic MLIR text, every symbol prefixed; main is private."""
     module = lowered.compiler_ir("stablehlo")
-    texts = [op.get_asm(print_generic_op_form=True) for op in module.body.operations]
-    text = "\n".join(texts)
-    symbols = set(_SYMBOL.findall(text))
-    if "main" not in symbols:
-        raise RuntimeError("torch_pjrt.jax_op: the lowered JAX module has no main function")
-    text = _SYMBOL.sub(lambda m: f'sym_name = "{prefix}{m.group(1)}"', text)
-    references = re.compile(r"@(" + "|".join(re.escape(s) for s in sorted(symbols, key=len, reverse=True)) +
-                            r")(?![\w$.-])")
-    text = references.sub(lambda m: f"@{prefix}{m.group(1)}", text)
-    # The kernel is a callee: private, and without JAX's result names.
-    text = text.replace('sym_visibility = "public"', 'sym_visibility = "private"')
-    return prefix + "main", text
+    text = "\n".join(op.get_asm(print_generic_op_form=True) for op in module.body.operations)
+    return _private_functions(text, prefix, "torch_pjrt.jax_op: the lowered JAX module")
 
 
 _CUSTOM_CALL = re.compile(r'call_target_name = "([^"]+)"')

@@ -282,15 +282,17 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 # each program or copy is tagged with the streams whose ops it carries, so
 # query/synchronize/events see that stream's work. PJRT orders a device's work
 # by its data, which is why wait_stream/wait_event on one device cost nothing.
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # c10::DeviceType, as torch.Stream(stream_id=) takes it
+
+
 class Stream(torch.Stream):
     """A tpu stream. `Stream()` takes the next stream of the device's pool (normal or, with priority < 0,
     high priority), as torch.cuda.Stream does; current_stream() and default_stream() name existing ones."""
 
     def __new__(cls, device=None, priority: int = 0, **kwargs):
         if "stream_id" in kwargs:  # wrapping an existing stream (current_stream, default_stream)
-            index = _index(device)
-            device_type = torch.accelerator.current_stream(index).device_type  # PrivateUse1's number
-            return super().__new__(cls, stream_id=kwargs["stream_id"], device_index=index, device_type=device_type)
+            return super().__new__(cls, stream_id=kwargs["stream_id"], device_index=_index(device),
+                                   device_type=_PRIVATEUSE1)
         return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
 
     def __init__(self, device=None, priority: int = 0, **kwargs):

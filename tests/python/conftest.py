@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -133,3 +135,17 @@ def assert_same_error(fn, *args, **kwargs):
     assert tpu is not None, f"tpu did not raise; CPU raises {type(cpu).__name__}: {cpu}"
     assert type(tpu) is type(cpu), f"tpu raised {type(tpu).__name__}: {tpu}; CPU raises {type(cpu).__name__}: {cpu}"
     assert str(cpu).split("\n")[0] in str(tpu), f"tpu: {tpu}\nCPU: {cpu}"
+
+
+def programs_and_replays(before, after):
+    """(programs made: compiled or loaded from the disk cache, compiled-graph replays) between two metrics()."""
+    programs = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
+    return programs, after["compiled_replays"] - before["compiled_replays"]
+
+
+def run_on_two_devices(script, mode, timeout):
+    """`script` run by a fresh interpreter whose CPU plugin has two devices (the device count is fixed when the
+    runtime starts), in `mode`, with this process's import path."""
+    env = dict(os.environ, TORCH_PJRT_CPU_DEVICES="2", TORCH_PJRT_MODE=mode)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)

@@ -13,12 +13,12 @@ from .. import _C
 from . import _module
 
 def program_from_binding(info) -> _module.Program:
-    """The binding's answer as a Program. info: {"text": str, "operands": [("input", i) | ("constant", dtype
-    name, dims, bytes) | ("rng", count)], "checks": int, "outputs": [(source, index, sizes, strides, offset)]}."""
+    """The binding's answer as a Program. info: {"text": str, "operands": [("input", i) | ("constant", torch
+    dtype, dims, bytes) | ("rng", count)], "checks": int, "outputs": [(source, index, sizes, strides, offset)]}."""
     operands = []
     for op in info["operands"]:
         if op[0] == "constant":
-            operands.append(("constant", _module.dtype_of(op[1]), tuple(op[2]), bytes(op[3])))
+            operands.append(("constant", op[1], tuple(op[2]), bytes(op[3])))
         else:
             operands.append(tuple(op))
     outputs = [(o[0], int(o[1]), tuple(o[2]), tuple(o[3]), int(o[4])) for o in info["outputs"]]

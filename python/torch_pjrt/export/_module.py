@@ -97,29 +97,6 @@ def strip_locations(text: str) -> str:
     return "\n".join(line for line in lines if line.strip() != "// torch_pjrt op locations")
 
 
-_DEFINED = re.compile(r'func\.func\s+(?:(?:public|private|nested)\s+)?@([\w$.-]+)|sym_name\s*=\s*"([\w$.-]+)"')
-
-
-def defined_symbols(body: str) -> list:
-    return [a or b for a, b in _DEFINED.findall(body)]
-
-
-def callable_functions(body: str, prefix: str):
-    """The module's functions with every symbol prefixed and made private (a callee inside torch_pjrt's
-    programs, which also have a main): (the main function's new symbol, the definitions)."""
-    symbols = set(defined_symbols(body))
-    if "main" not in symbols:
-        raise ValueError("torch_pjrt.export: the module has no main function")
-    names = "|".join(re.escape(s) for s in sorted(symbols, key=len, reverse=True))
-    body = re.sub(r'@(' + names + r')(?![\w$.-])', lambda m: f"@{prefix}{m.group(1)}", body)
-    body = re.sub(r'sym_name\s*=\s*"(' + names + r')"', lambda m: f'sym_name = "{prefix}{m.group(1)}"', body)
-    body = re.sub(r"func\.func\s+public\s+@", "func.func private @", body)
-    body = body.replace('sym_visibility = "public"', 'sym_visibility = "private"')
-    # A public function with no visibility keyword is printed without one: make every definition private.
-    body = re.sub(r"func\.func\s+@", "func.func private @", body)
-    return prefix + "main", body
-
-
 def main_signature(body: str):
     """([parameter types], [result types]) of the pretty-printed `func.func ... @main(...) -> ...` in body."""
     m = re.search(r"func\.func\s+(?:(?:public|private)\s+)?@main\(", body)

@@ -23,7 +23,7 @@ class ModuleFunction:
         self.inputs = [(tuple(s), d) for s, d in inputs]
         self.outputs = [(tuple(s), d) for s, d in outputs]
         self.key = "export_" + hashlib.sha1(text.encode()).hexdigest()[:16]
-        symbol, definitions = _module.callable_functions(_module.module_body(text), self.key + "_")
+        symbol, definitions = _jax._private_functions(_module.module_body(text), self.key + "_", "torch_pjrt.export")
         _jax._define_jax_call()
         _C._register_external_function(self.key, symbol, definitions, "")
         with _jax._lock:

@@ -13,17 +13,12 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import torch_pjrt
-from conftest import cpu_and_device
+from conftest import cpu_and_device, programs_and_replays
 from torch_pjrt import _inference_buckets
 
 pytestmark = pytest.mark.modes_inside  # every compiled call runs under mode("fused"): once per `make test`
 
 DEVICE = "tpu"
-
-
-def _programs_and_replays(before, after):
-    programs = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
-    return programs, after["compiled_replays"] - before["compiled_replays"]
 
 
 class MLP(nn.Module):
@@ -74,7 +69,7 @@ def test_sizes_inside_the_bound_reuse_bucket_programs_clipped_to_max(bucket_size
             with torch.no_grad():
                 out = compiled(xd)
                 host = out.cpu()
-            programs, replays = _programs_and_replays(before, torch_pjrt.metrics())
+            programs, replays = programs_and_replays(before, torch_pjrt.metrics())
             bucket = BOUNDED[n]
             assert bucket_sizes[-1] == (n, bucket)
             if n in seen or n == bucket and bucket in buckets:

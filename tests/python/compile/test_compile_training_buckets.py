@@ -11,15 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_pjrt
-from conftest import cpu_and_device
+from conftest import cpu_and_device, programs_and_replays
 from torch_pjrt import _compile, _inference_buckets
 
 DEVICE = "tpu"
-
-
-def _programs_and_replays(before, after):
-    programs = sum(after[k] - before[k] for k in ("compiles", "disk_cache_hits"))
-    return programs, after["compiled_replays"] - before["compiled_replays"]
 
 
 class Net(nn.Module):
@@ -69,7 +64,7 @@ def test_training_graph_runs_at_its_bucket():
             (loss + logits[:, 0].sum()).backward()  # a gradient through the returned rows too
             host = (loss.cpu(), logits.cpu(), correct.cpu())
             grads = [p.grad.cpu() for p in dev.parameters()]
-            programs, replays = _programs_and_replays(before, torch_pjrt.metrics())
+            programs, replays = programs_and_replays(before, torch_pjrt.metrics())
             expected = losses(cpu, x, labels)
             (expected[0] + expected[1][:, 0].sum()).backward()
             torch.testing.assert_close(host[0], expected[0], atol=1e-5, rtol=1e-5)

@@ -4,9 +4,6 @@ The device count is fixed when the runtime starts, so the two-device cases run
 in a subprocess with TORCH_PJRT_CPU_DEVICES=2 (one per mode, under a hard
 timeout); the event cases run here on tpu:0.
 """
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -14,6 +11,7 @@ import pytest
 import torch
 
 import torch_pjrt
+from conftest import run_on_two_devices
 
 TWO_DEVICES = textwrap.dedent(
     r"""
@@ -153,9 +151,7 @@ TWO_DEVICES = textwrap.dedent(
 @pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 def test_two_devices_in_one_process(mode):
-    env = dict(os.environ, TORCH_PJRT_CPU_DEVICES="2", TORCH_PJRT_MODE=mode)
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    r = subprocess.run([sys.executable, "-c", TWO_DEVICES], capture_output=True, text=True, env=env, timeout=120)
+    r = run_on_two_devices(TWO_DEVICES, mode, timeout=120)
     assert r.returncode == 0 and "TWO_DEVICES_OK" in r.stdout, r.stderr[-3000:]
 
 

@@ -5,9 +5,6 @@ PJRT has no compute streams: a stream names a sequence of work, each program or 
 whose ops it carries, and a device's work is ordered by its data. So a read on one stream of what another wrote
 sees the writer's value with or without wait_event (CUDA allows either value without it).
 """
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -15,6 +12,7 @@ import pytest
 import torch
 
 import torch_pjrt
+from conftest import run_on_two_devices
 
 
 def slow_work(stream, n=512, rounds=24):
@@ -249,9 +247,7 @@ TWO_DEVICES = textwrap.dedent(
 @pytest.mark.modes_inside  # picks its mode(s): once per `make test`
 @pytest.mark.parametrize("mode", ["fused", "strict"])
 def test_copies_between_devices_skip_the_host(mode):
-    env = dict(os.environ, TORCH_PJRT_CPU_DEVICES="2", TORCH_PJRT_MODE=mode)
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    r = subprocess.run([sys.executable, "-c", TWO_DEVICES], capture_output=True, text=True, env=env, timeout=180)
+    r = run_on_two_devices(TWO_DEVICES, mode, timeout=180)
     assert r.returncode == 0 and "STREAMS_TWO_DEVICES_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
